@@ -1,0 +1,179 @@
+"""The ``docfuse`` command line.
+
+Exit codes: 0 every row succeeded; 3 some rows failed (their ``error`` column says why); 2 a usage or
+validation error. Progress bars appear only on a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import pyarrow.parquet as pq
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pipelines.registry import all_stages
+from pipelines.sources import InputError, count
+from pipelines.spec import Pipeline, builtin_pipelines
+from pipelines.validate import PipelineInvalid, validate
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="docfuse: declarative pipelines that turn "
+                  "long documents into answers.")
+err = Console(stderr=True)
+USAGE, ROW_ERRORS = 2, 3
+DEFAULT_CACHE = ".docfuse-cache"
+
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override STAGE.KEY=VALUE (VALUE is YAML; "
+                                                     "null removes the key). Repeatable.")]
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(USAGE)
+
+
+def load_pipeline(source: str, sets: list[str] | None) -> Pipeline:
+    """A pipeline by built-in name or YAML path, with --set overrides applied."""
+    try:
+        pipeline = Pipeline.from_yaml(source)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    for item in sets or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            _fail(f"--set {item!r}: expected STAGE.KEY=VALUE, e.g. --set answer.max_new_tokens=64")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            _fail(f"--set {item!r}: the value is not valid YAML ({exc.problem}); quote it")
+        try:
+            pipeline.set(key.strip(), value)
+        except KeyError as exc:
+            _fail(exc.args[0])
+    return pipeline
+
+
+def _report_problems(problems: list[str]) -> None:
+    err.print(f"[bold red]{len(problems)} problem(s) in the pipeline:[/]")
+    for p in problems:
+        err.print(f"  - {p}", highlight=False)
+
+
+@app.command()
+def run(
+    pipeline: Annotated[str, typer.Argument(help="A built-in pipeline name (pdf_extract, pdf_qa, ...) or a YAML file.")],
+    input: Annotated[list[str], typer.Option("--input", "-i", help="Files, folders, globs, Parquet/Arrow datasets.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Parquet file to write (a folder for several outputs).")],
+    set_: SetOpt = None,
+    engine: Annotated[str, typer.Option(help="Executor: local.")] = "local",
+    batch_docs: Annotated[int, typer.Option(min=1, help="Documents per batch: bounds memory.")] = 8,
+    cache_dir: Annotated[Path, typer.Option(help="Stage-output cache, for resuming.")] = Path(DEFAULT_CACHE),
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the stage cache.")] = False,
+    column: Annotated[Optional[str], typer.Option(help="Dataset column holding paths or bytes.")] = None,
+) -> None:
+    """Run a pipeline over documents and write its output as Parquet."""
+    pipe = load_pipeline(pipeline, set_)
+    report = _execute(pipe, input, output, engine, batch_docs, None if no_cache else cache_dir, column)
+    err.print(f"{report.rows} row(s) from {report.documents} document(s) in {report.seconds:.1f} s"
+              f"{f', {report.batches_from_cache} batch(es) from cache' if report.batches_from_cache else ''}"
+              f" -> {', '.join(str(p) for p in report.outputs.values())}", highlight=False)
+    if report.error_rows:
+        err.print(f"[yellow]{report.error_rows} row(s) failed; see their 'error' column[/]")
+    raise typer.Exit(report.exit_code)
+
+
+def _execute(pipe: Pipeline, inputs: list[str], output: Path, engine: str, batch_docs: int,
+             cache_dir: Path | None, column: str | None):
+    if engine != "local":
+        _fail(f"unknown engine '{engine}': use --engine local")
+    from pipelines.executor import LocalExecutor
+
+    try:
+        executor = LocalExecutor(pipe, cache_dir=cache_dir)
+    except PipelineInvalid as exc:
+        _report_problems(exc.problems)
+        raise typer.Exit(USAGE)
+    try:
+        total = count(inputs, column)
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, disable=not err.is_terminal, transient=False) as bar:
+            task = bar.add_task(pipe.name, total=total)
+            return executor.run(inputs, output, batch_docs=batch_docs, column=column,
+                                on_batch=lambda n, _cached: bar.advance(task, n))
+    except InputError as exc:
+        _fail(str(exc))
+
+
+@app.command("validate")
+def validate_cmd(
+    pipeline: Annotated[str, typer.Argument(help="A built-in pipeline name or a YAML file.")],
+    set_: SetOpt = None,
+) -> None:
+    """Check a pipeline without running it; exit 2 and list every problem if it is invalid."""
+    pipe = load_pipeline(pipeline, set_)
+    problems = validate(pipe)
+    if problems:
+        _report_problems(problems)
+        raise typer.Exit(USAGE)
+    err.print(f"[green]ok[/]: pipeline '{pipe.name}' with {len(pipe.stages)} stage(s) is valid")
+
+
+@app.command()
+def stages(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """List every stage kind with its ports and parameters."""
+    described = [cls.describe() for cls in all_stages().values()]
+    if as_json:
+        typer.echo(json.dumps(described, indent=2, default=str))
+        return
+    out = Console()
+    for d in described:
+        table = Table(title=f"{d['kind']} (v{d['version']}): {d['doc']}", title_justify="left", show_lines=False)
+        table.add_column("", style="bold")
+        table.add_column("")
+        for port, cols in d["inputs"].items():
+            table.add_row(f"in: {port}", ", ".join(cols))
+        table.add_row("out", ", ".join(d["output"]))
+        for name, p in d["params"].items():
+            default = "required" if p["required"] else repr(p["default"])
+            table.add_row(f"with: {name}", f"{p['type']} = {default}  {p['help']}")
+        out.print(table)
+    out.print(f"built-in pipelines: {', '.join(builtin_pipelines())}")
+
+
+@app.command()
+def ask(
+    file: Annotated[Path, typer.Argument(help="A PDF (or .txt/.md) document.")],
+    question: Annotated[str, typer.Argument(help="The question to answer from the document.")],
+    set_: SetOpt = None,
+    pipeline: Annotated[Optional[str], typer.Option(help="Pipeline to run; default pdf_qa, or text_qa for .txt/.md.")] = None,
+    cache_dir: Annotated[Path, typer.Option(help="Stage-output cache.")] = Path(DEFAULT_CACHE),
+    no_cache: Annotated[bool, typer.Option("--no-cache")] = False,
+) -> None:
+    """Answer one question about one document with the built-in QA pipeline, and print the answer."""
+    name = pipeline or ("text_qa" if file.suffix.lower() in {".txt", ".md", ".markdown"} else "pdf_qa")
+    pipe = load_pipeline(name, [*(set_ or [])])
+    pipe.set("params.questions", None)
+    pipe.set("params.question", question)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "answer.parquet"
+        report = _execute(pipe, [str(file)], out, "local", 1, None if no_cache else cache_dir, None)
+        rows = pq.read_table(out).to_pylist()
+    for row in rows:
+        if row.get("error"):
+            err.print(f"[bold red]{row['error']}[/]", highlight=False)
+        else:
+            typer.echo(row.get("answer", ""))
+            err.print(f"[dim]{row.get('prompt_tokens')} prompt tokens, time to first token {row.get('ttft_s', 0):.1f} s, "
+                      f"{row.get('decode_tokens_per_s', 0):.1f} tokens/s[/]", highlight=False)
+    raise typer.Exit(report.exit_code)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    sys.exit(app())
