@@ -93,7 +93,7 @@ def _execute(pipe: Pipeline, inputs: list[str], output: Path, engine: str, batch
              cache_dir: Path | None, column: str | None):
     if engine != "local":
         _fail(f"unknown engine '{engine}': use --engine local")
-    from pipelines.executor import LocalExecutor
+    from pipelines.executor import LocalExecutor, StageSetupError
 
     try:
         executor = LocalExecutor(pipe, cache_dir=cache_dir)
@@ -107,7 +107,7 @@ def _execute(pipe: Pipeline, inputs: list[str], output: Path, engine: str, batch
             task = bar.add_task(pipe.name, total=total)
             return executor.run(inputs, output, batch_docs=batch_docs, column=column,
                                 on_batch=lambda n, _cached: bar.advance(task, n))
-    except InputError as exc:
+    except (InputError, StageSetupError) as exc:
         _fail(str(exc))
 
 

@@ -28,6 +28,10 @@ from pipelines.stage import Stage, conform, error_value
 from pipelines.validate import PipelineInvalid, check
 
 
+class StageSetupError(RuntimeError):
+    """A stage could not load its heavy state (a missing checkpoint, say): the whole run stops, exit code 2."""
+
+
 @dataclass
 class RunReport:
     """What a run did. ``tables`` holds the outputs when no output path was given."""
@@ -61,7 +65,8 @@ class LocalExecutor:
         self.order = [n for n in nx.topological_sort(checked.graph) if n in needed]
         self._ready: set[str] = set()
         self._spec_keys = {
-            name: stable_hash(stage.kind, stage.version, stage.params.model_dump(mode="json"), stage.context)
+            name: stable_hash(stage.kind, stage.version, stage.params.model_dump(mode="json"), stage.context,
+                              stage.cache_salt())
             for name, stage in self.stages.items()
         }
 
@@ -93,7 +98,10 @@ class LocalExecutor:
         parts: list[pa.Table] = []
         if any(t.num_rows for t in good):
             if name not in self._ready:
-                stage.setup()
+                try:
+                    stage.setup()
+                except Exception as exc:
+                    raise StageSetupError(f"stage '{name}' ({stage.kind}) could not set up: {exc}") from exc
                 self._ready.add(name)
             parts.append(self._run_isolated(name, stage, good, schema))
         errors = [t for t in bad if t.num_rows]

@@ -57,6 +57,10 @@ class Stage:
     def run(self, *tables: pa.Table) -> pa.Table:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def cache_salt(self) -> str:
+        """Extra cache-key material: what changes the output besides the parameters (a weights file's identity)."""
+        return ""
+
     def pass_errors(self, errors: pa.Table) -> pa.Table:
         """Error rows from upstream, in this stage's output schema (nulls where a column has no value).
 

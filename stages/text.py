@@ -42,29 +42,29 @@ class TextPages(Stage):
 
     def run(self, sources: pa.Table) -> pa.Table:
         rows: list[dict] = []
-        for doc_id, source, data in zip(
-            sources.column("doc_id").to_pylist(), sources.column("source").to_pylist(), sources.column("data").to_pylist()
-        ):
+        columns = (sources.column(name).to_pylist() for name in ("doc_id", "source", "data"))
+        for doc_id, source, data in zip(*columns):
             rows.extend(self._pages(doc_id, source, data))
         return pa.Table.from_pylist(rows, schema=self.output_schema)
 
     def _pages(self, doc_id: str, source: str | None, data: bytes | None) -> list[dict]:
-        name = source or doc_id
+        name = repr(source or doc_id)
         if not data:
-            return [_error(doc_id, source, "empty_file", f"{name!r} has no bytes; check the path or drop the file from the input")]
+            return [_error(doc_id, source, "empty_file", f"{name} has no bytes; check the path or leave the file out")]
         if looks_like_pdf(data):
-            return [_error(doc_id, source, "not_text", f"{name!r} is a PDF, not text; use the pdf_* pipelines (pdf_extract, pdf_qa) for it")]
+            return [_error(doc_id, source, "not_text",
+                           f"{name} is a PDF, not text; use the pdf_* pipelines (pdf_extract, pdf_qa) for it")]
         try:
             text, _encoding = decode_text(data)
         except NotText as exc:
-            return [_error(doc_id, source, "not_text", f"{name!r} is not a text file: {exc}; save it as UTF-8 .txt or .md, "
-                                                      "or feed PDFs to the pdf_* pipelines")]
+            return [_error(doc_id, source, "not_text", f"{name} is not a text file: {exc}; save it as UTF-8 .txt "
+                                                      "or .md, or feed PDFs to the pdf_* pipelines")]
         if not text.strip():
-            return [_error(doc_id, source, "empty_file", f"{name!r} holds only whitespace; add text or drop the file from the input")]
+            return [_error(doc_id, source, "empty_file", f"{name} holds only whitespace; add text or leave the file out")]
         pages = split_pages(text, self.params.page_chars, markdown=self._is_markdown(source))
         return [
-            schemas.empty_row(self.output_schema, doc_id=doc_id, source=source, page=i, text=page, image_only=False,
-                              n_words=len(page.split()))
+            schemas.empty_row(self.output_schema, doc_id=doc_id, source=source, page=i, text=page,
+                              image_only=False, n_words=len(page.split()))
             for i, page in enumerate(pages)
         ]
 

@@ -1,0 +1,195 @@
+"""The ViT behind vision.patches: build it from timm without downloading anything, load local weights strictly.
+
+Weights come only from a local file (safetensors or a torch state dict). The model is built at the stage's
+``image_size`` (timm sizes the position embedding for it), so a checkpoint must have been made at that size:
+resampling position embeddings silently would hand a trained fusion features it never saw.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch and timm are imported lazily: listing stages must not pay for them
+    import torch
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+HOW_TO_MAKE = (
+    "train one with `docfuse train-fusion` (issue #5), or write an untrained one with "
+    "`python -c \"from stages.vision import init_checkpoint; init_checkpoint('{path}', model='{model}'{size})\"` "
+    "(see data/vision/README.md)"
+)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the output schema needs: the patch grid and the feature width, known without loading weights."""
+
+    patch_size: tuple[int, int]
+    rows: int
+    cols: int
+    dim: int
+    prefix_tokens: int
+
+    @property
+    def n_patches(self) -> int:
+        return self.rows * self.cols
+
+
+def create(model: str, image_size: tuple[int, int], device: str | None = None) -> Any:
+    """A timm ViT with random weights, without its classifier, sized for ``image_size``; never downloads."""
+    import timm
+    import torch
+
+    if not timm.is_model(model):
+        raise ValueError(f"unknown timm model {model!r}; pick a ViT from `timm.list_models('vit_*')`, "
+                         "for example vit_tiny_patch16_224")
+    try:
+        with torch.device(device or "cpu"):
+            net = timm.create_model(model, pretrained=False, num_classes=0, img_size=tuple(image_size))
+    except TypeError as exc:
+        raise ValueError(f"timm model {model!r} does not take an image size, so it is not a ViT; "
+                         "pick one from `timm.list_models('vit_*')`") from exc
+    if not hasattr(net, "patch_embed") or not hasattr(net, "num_prefix_tokens") or not hasattr(net, "forward_features"):
+        raise ValueError(f"timm model {model!r} is not a ViT (no patch embedding / prefix tokens); "
+                         "pick one from `timm.list_models('vit_*')`")
+    return net
+
+
+@functools.lru_cache(maxsize=32)
+def geometry(model: str, image_size: tuple[int, int]) -> Geometry:
+    """Patch grid and width of ``model`` at ``image_size``, from a weightless (meta-device) copy."""
+    patch = _patch_size(model)
+    height, width = image_size
+    if height % patch[0] or width % patch[1] or height <= 0 or width <= 0:
+        nearest = [max(1, round(height / patch[0])) * patch[0], max(1, round(width / patch[1])) * patch[1]]
+        raise ValueError(f"image_size {list(image_size)} must be positive multiples of {model}'s patch size "
+                         f"{list(patch)}, so that every patch is an exact rectangle of the page; for example {nearest}")
+    net = create(model, image_size, device="meta")
+    rows, cols = net.patch_embed.grid_size
+    if (rows, cols) != (height // patch[0], width // patch[1]):
+        raise ValueError(f"timm built {model} with a {rows}x{cols} patch grid for image_size {list(image_size)}; "
+                         "pick a plain ViT (no patch-grid pooling)")
+    return Geometry(patch_size=patch, rows=rows, cols=cols, dim=int(net.num_features),
+                    prefix_tokens=int(net.num_prefix_tokens))
+
+
+@functools.lru_cache(maxsize=32)
+def _patch_size(model: str) -> tuple[int, int]:
+    net = create(model, _default_size(model), device="meta")
+    size = net.patch_embed.patch_size
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def _default_size(model: str) -> tuple[int, int]:
+    import timm
+
+    if not timm.is_model(model):
+        create(model, (224, 224))  # raises the unknown-model error
+    cfg = timm.models.get_pretrained_cfg(model)
+    input_size = (cfg.input_size if cfg is not None else None) or (3, 224, 224)
+    return int(input_size[1]), int(input_size[2])
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """The checkpoint as given (``~`` expanded), else relative to the project root, so shipped YAML works anywhere."""
+    given = Path(path).expanduser()
+    if given.is_file() or given.is_absolute():
+        return given
+    in_project = PROJECT_ROOT / given
+    return in_project if in_project.is_file() else given
+
+
+def read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a safetensors file or a ``torch.save`` state dict (plain or under state_dict/model)."""
+    import torch
+    from safetensors import safe_open
+
+    with path.open("rb") as fh:
+        head = fh.read(9)
+    is_safetensors = path.suffix == ".safetensors" or (
+        len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000
+    )
+    try:
+        if is_safetensors:
+            with safe_open(str(path), framework="pt", device="cpu") as fh:
+                return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ValueError(f"checkpoint {str(path)!r} is neither a safetensors file nor a torch state dict ({exc}); "
+                         "write one with stages.vision.init_checkpoint or `docfuse train-fusion`") from exc
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"checkpoint {str(path)!r} does not hold a state dict (name -> tensor); "
+                         "save one with torch.save(model.state_dict(), path) or stages.vision.init_checkpoint")
+    return state, {}
+
+
+def load_weights(net: Any, path: Path, model: str, image_size: tuple[int, int]) -> None:
+    """Copy the checkpoint into ``net``; every key and shape must match, nothing is skipped or resampled."""
+    state, metadata = read_state_dict(path)
+    expected = net.state_dict()
+    made_for = f" (it was made for {metadata['model']})" if metadata.get("model") and metadata["model"] != model else ""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {str(path)!r} does not fit {model}{made_for}: "
+                         f"{len(missing)} missing keys {missing[:5]}, {len(unexpected)} unexpected keys {unexpected[:5]}; "
+                         "use the model name the checkpoint was made for, or make a checkpoint for this model: "
+                         + HOW_TO_MAKE.format(path=path, model=model, size=size_arg(image_size)))
+    wrong = [(k, list(state[k].shape), list(v.shape)) for k, v in expected.items() if state[k].shape != v.shape]
+    if wrong:
+        hint = ""
+        if any(k == "pos_embed" for k, _, _ in wrong):
+            hint = (f" The position embedding has {state['pos_embed'].shape[1]} tokens where image_size "
+                    f"{list(image_size)} needs {expected['pos_embed'].shape[1]}: the checkpoint was made at another image "
+                    f"size{_square_size_hint(state['pos_embed'].shape[1], net)}; set image_size to it, or make a checkpoint "
+                    "at this size.")
+        raise ValueError(f"checkpoint {str(path)!r} does not fit {model}{made_for}: shapes differ for "
+                         + ", ".join(f"{k} {a} (checkpoint) vs {b} (model)" for k, a, b in wrong[:5])
+                         + f".{hint} To make a matching one: "
+                         + HOW_TO_MAKE.format(path=path, model=model, size=size_arg(image_size)))
+    net.load_state_dict(state, strict=True)
+
+
+def _square_size_hint(tokens: int, net: Any) -> str:
+    """The square image size a position embedding of ``tokens`` entries was made for, when it is square."""
+    patches = tokens - (0 if getattr(net, "no_embed_class", False) else int(net.num_prefix_tokens))
+    side = math.isqrt(max(patches, 0))
+    patch = net.patch_embed.patch_size
+    patch = patch if isinstance(patch, int) else patch[0]
+    return f" (probably [{side * patch}, {side * patch}])" if side * side == patches else ""
+
+
+def size_arg(image_size: tuple[int, int]) -> str:
+    return "" if tuple(image_size) == (224, 224) else f", image_size={list(image_size)}"
+
+
+def init_checkpoint(path: str | Path, model: str = "vit_tiny_patch16_224", seed: int = 0,
+                    image_size: tuple[int, int] | list[int] = (224, 224)) -> Path:
+    """Write a freshly initialised (untrained) ViT as safetensors: what tests use until issue #5 trains one.
+
+    Deterministic for a given ``seed``; the global torch RNG is left as it was. ``image_size`` must be the
+    vision.patches stage's ``image_size`` (both default to [224, 224], whatever the model's own input size).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    size = (int(image_size[0]), int(image_size[1]))
+    geometry(model, size)  # validates the model name and the size before anything is written
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = create(model, size, device="cpu")
+    state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+    out = Path(path).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out), metadata={
+        "model": model, "image_size": f"{size[0]}x{size[1]}", "seed": str(seed), "trained": "false",
+        "made_by": "stages.vision.init_checkpoint",
+    })
+    return out
