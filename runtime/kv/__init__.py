@@ -1,0 +1,22 @@
+"""Tiered KV cache: exact core, low-bit association and LZ4 background tiers, re-tiered per question.
+
+Typical use (one prefill, many questions)::
+
+    cache = TieredCache(model.config, {"core_tokens": 0.1, "association_tokens": 0.25})
+    model(input_ids=document_ids, cache=cache)            # prefill, exact (chunks allowed)
+    prefix = cache.get_seq_length()
+    for question_ids in questions:
+        prepare_question(model, cache, question_ids)      # record the question's queries, re-tier
+        model.generate(torch.cat([document_ids, question_ids], 1), cache=cache, ...)
+        cache.rollback(prefix)                            # drop question + answer, keep the document
+
+``make_cache(config, None)`` gives a plain DynamicCache (``kv: null``).
+"""
+
+from runtime.kv.config import KVConfig
+from runtime.kv.eviction import SnapKVCache
+from runtime.kv.queries import prepare_question, record_queries
+from runtime.kv.tiered import RetierOnSchedule, TieredCache, as_kv_config, make_cache
+
+__all__ = ["KVConfig", "RetierOnSchedule", "SnapKVCache", "TieredCache", "as_kv_config", "make_cache",
+           "prepare_question", "record_queries"]

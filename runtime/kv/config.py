@@ -1,0 +1,113 @@
+"""KVConfig: the decode stage's ``kv:`` block, validated once so a bad budget fails before any model runs."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+Budget = int | float | Literal["auto"]
+
+#: Share of free device memory that ``core_tokens: auto`` may spend on the core tier.
+AUTO_CORE_FRACTION = 0.5
+
+
+class KVConfig(BaseModel):
+    """Budgets and encodings of the tiered KV cache.
+
+    Budgets are per layer and KV head: an int is a token count, a float in (0, 1] a fraction of the cached length
+    at re-tier time. The core budget includes the sink and recent tokens (it is raised to cover them).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    core_tokens: Budget = 0.10
+    association_tokens: int | float = 0.25
+    association_bits: Literal[2, 4, 8] = 4
+    sink_tokens: int = 4
+    recent_tokens: int = 64
+    page_tokens: int = 64
+    group_tokens: int = 32
+    differential: bool = False
+    background: Literal["lz4"] | None = "lz4"
+    retier_every: int | None = None
+    query_tokens: int = 64
+
+    @field_validator("association_bits", mode="before")
+    @classmethod
+    def _bits(cls, value: object) -> object:
+        if value not in (2, 4, 8) or isinstance(value, bool):
+            raise ValueError(f"association_bits must be 2, 4 or 8, got {value!r}; set association_bits: 4")
+        return value
+
+    @field_validator("core_tokens", "association_tokens", mode="before")
+    @classmethod
+    def _budget(cls, value: object, info) -> object:
+        name = info.field_name
+        if value == "auto" and name == "core_tokens":
+            return value
+        if isinstance(value, str):  # a CLI override arrives as text: "256", "0.1"
+            try:
+                value = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            hint = "a token count, a fraction in (0, 1]" + (" or auto" if name == "core_tokens" else "")
+            raise ValueError(f"{name} must be {hint}, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must not be negative, got {value}; use 0 to disable the tier")
+        if isinstance(value, float) and not value.is_integer() and value > 1:
+            raise ValueError(f"{name} as a fraction must be in (0, 1], got {value}; write a token count as an int")
+        if isinstance(value, float) and value > 1:
+            return int(value)
+        return value
+
+    @field_validator("sink_tokens", "recent_tokens")
+    @classmethod
+    def _non_negative(cls, value: int, info) -> int:
+        if value < 0:
+            raise ValueError(f"{info.field_name} must not be negative, got {value}")
+        return value
+
+    @field_validator("page_tokens", "group_tokens", "query_tokens")
+    @classmethod
+    def _positive(cls, value: int, info) -> int:
+        if value < 1:
+            raise ValueError(f"{info.field_name} must be at least 1, got {value}")
+        return value
+
+    @field_validator("retier_every")
+    @classmethod
+    def _every(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"retier_every must be a positive number of decode steps or null, got {value}")
+        return value
+
+
+def resolve_budget(budget: int | float, length: int) -> int:
+    """Token count of a budget for ``length`` cached tokens (a float is a fraction; rounded down, capped)."""
+    if isinstance(budget, float):
+        return min(length, int(budget * length))
+    return min(length, int(budget))
+
+
+def free_device_bytes(device: str | object) -> int:
+    """Free memory of ``device``: CUDA's free bytes, else the host's available physical memory."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 1 << 30
+
+
+def auto_core_tokens(device: str | object, bytes_per_token: int, length: int) -> int:
+    """``core_tokens: auto``: as many tokens as half the free device memory holds, at most ``length``."""
+    if bytes_per_token <= 0:
+        return length
+    return min(length, int(free_device_bytes(device) * AUTO_CORE_FRACTION) // bytes_per_token)

@@ -1,0 +1,345 @@
+"""One layer of the tiered cache: core (exact, device), association (packed codes, device), background (host).
+
+Every position ``[0, length)`` lives in exactly one tier per (batch row, KV head). The core and association tiers
+hold the same number of tokens in every head and every layer, so the tensors handed to attention are dense and one
+causal mask serves all layers: attention sees ``[association..., core...]`` where the core ends with the tokens of
+the current forward pass, and ``get_mask_sizes`` reports ``kv_offset = length - active`` so the causal comparison
+``kv_index + kv_offset <= query_position`` admits every cached token and keeps the new ones causal. Attention is
+invariant to the order of cached keys (RoPE was applied before caching), so tiers may be laid out per head.
+
+The background archive holds an exact copy of every token older than the last re-tier (not only background ones):
+promotion and re-quantisation then always start from exact values, and a demotion costs no compression work.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from runtime.kv.association import AssociationStore
+from runtime.kv.background import ExactArchive
+from runtime.kv.config import KVConfig
+from runtime.kv.summaries import group_queries, page_minmax, page_scores
+
+ARCHIVE_BLOCK = 256
+
+
+def _expand(index: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
+    return index.to(device).unsqueeze(-1).expand(-1, -1, -1, d)
+
+
+class TieredLayer(CacheLayerMixin):
+    """Cache of one attention layer; see the module docstring for the layout."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, kv: KVConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.kv = kv
+        self.layer_idx = layer_idx
+        self.length = 0
+        self.n_core = 0
+        self.core_pos: torch.Tensor | None = None  # host int64 [B, H, capacity], ascending in [:n_core]
+        self.assoc: AssociationStore | None = None
+        self.assoc_pos: torch.Tensor | None = None  # host int64 [B, H, A], ascending
+        self.archive = ExactArchive(codec=kv.background, block_tokens=ARCHIVE_BLOCK)
+        self.kmin: torch.Tensor | None = None  # device [B, H, pages, D]
+        self.kmax: torch.Tensor | None = None
+        self.final_pages = 0  # leading pages whose summaries are complete
+        self.queries: torch.Tensor | None = None  # device [B, Hq, M, D], post-RoPE
+        self.query_pos: torch.Tensor | None = None  # host int64 [M]
+
+    # ---- transformers layer API ------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys = key_states.new_empty(b, h, 0, d)
+        self.values = value_states.new_empty(b, h, 0, d)
+        self.core_pos = torch.empty(b, h, 0, dtype=torch.long)
+        self.is_initialized = True
+
+    @property
+    def n_assoc(self) -> int:
+        return self.assoc.length if self.assoc is not None else 0
+
+    @property
+    def active(self) -> int:
+        """Tokens attention reads besides the new ones: core + association."""
+        return self.n_core + self.n_assoc
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens to the core and return association (dequantised) + core."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self._append_core(key_states, value_states, torch.arange(self.length, self.length + q))
+        self.length += q
+        core_k, core_v = self.keys[:, :, : self.n_core], self.values[:, :, : self.n_core]
+        if self.n_assoc == 0:
+            return core_k, core_v
+        assoc_k, assoc_v = self.assoc.dequantize(self.dtype)
+        return torch.cat([assoc_k, core_k], dim=2), torch.cat([assoc_v, core_v], dim=2)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.active + query_length, self.length - self.active
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' crop: a negative count removes that many tokens from the end."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count, or use rollback(length)")
+        if tokens_to_remove:
+            self.truncate(self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.__init__(self.kv, self.layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep/reorder batch rows in every tier."""
+        if not self.is_initialized:
+            return
+        dev, host = indices.to(self.device), indices.to("cpu")
+        self.keys, self.values = self.keys[dev], self.values[dev]
+        self.core_pos = self.core_pos[host]
+        if self.assoc is not None:
+            self.assoc = self._select_assoc(dev)
+            self.assoc_pos = self.assoc_pos[host]
+        if self.kmin is not None:
+            self.kmin, self.kmax = self.kmin[dev], self.kmax[dev]
+        if self.queries is not None:
+            self.queries = self.queries[dev]
+        self.archive.select_batch(host)
+
+    def _select_assoc(self, dev: torch.Tensor) -> AssociationStore:
+        a = self.assoc
+        for quant in (a.keys, a.values):
+            quant.codes, quant.scale, quant.zero = quant.codes[dev], quant.scale[dev], quant.zero[dev]
+        if a.anchor_index is not None:
+            a.anchor_k, a.anchor_v, a.anchor_index = a.anchor_k[dev], a.anchor_v[dev], a.anchor_index[dev]
+        return a
+
+    # ---- core storage --------------------------------------------------------------------------------------------
+    def _append_core(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        b, h, q, d = k.shape
+        need = self.n_core + q
+        if need > self.keys.shape[2]:
+            capacity = need if self.n_core == 0 else need + max(64, need // 8)
+            self.keys = self._grow(self.keys, capacity)
+            self.values = self._grow(self.values, capacity)
+            pos = torch.empty(b, h, capacity, dtype=torch.long)
+            pos[:, :, : self.n_core] = self.core_pos[:, :, : self.n_core]
+            self.core_pos = pos
+        self.keys[:, :, self.n_core: need] = k
+        self.values[:, :, self.n_core: need] = v
+        self.core_pos[:, :, self.n_core: need] = positions
+        self.n_core = need
+
+    def _grow(self, buf: torch.Tensor, capacity: int) -> torch.Tensor:
+        b, h, _, d = buf.shape
+        out = buf.new_empty(b, h, capacity, d)
+        out[:, :, : self.n_core] = buf[:, :, : self.n_core]
+        return out
+
+    def _set_core(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        self.keys, self.values = k.contiguous(), v.contiguous()
+        self.core_pos = positions.clone()
+        self.n_core = positions.shape[2]
+
+    # ---- queries -------------------------------------------------------------------------------------------------
+    def record_query(self, queries: torch.Tensor, positions: torch.Tensor, limit: int) -> None:
+        """Keep the last ``limit`` recorded query vectors with their positions."""
+        if self.queries is not None and self.queries.shape[0] == queries.shape[0]:
+            queries = torch.cat([self.queries, queries], dim=2)
+            positions = torch.cat([self.query_pos, positions])
+        self.queries, self.query_pos = queries[:, :, -limit:], positions[-limit:]
+
+    def take_queries(self) -> torch.Tensor | None:
+        queries, self.queries, self.query_pos = self.queries, None, None
+        return queries
+
+    # ---- exact values ------------------------------------------------------------------------------------------
+    def _archive_all(self) -> None:
+        """Archive positions ``[archive.length, length)``; they are in the core of every head."""
+        start = self.archive.length
+        if start >= self.length:
+            return
+        positions = torch.arange(start, self.length)
+        core_pos = self.core_pos[:, :, : self.n_core].contiguous()
+        b, h, _ = core_pos.shape
+        idx = torch.searchsorted(core_pos, positions.expand(b, h, -1).contiguous()).clamp(max=self.n_core - 1)
+        if not torch.equal(core_pos.gather(2, idx), positions.expand(b, h, -1)):
+            raise RuntimeError("tiered cache invariant broken: an unarchived token is missing from the core")
+        d = self.keys.shape[-1]
+        gather = _expand(idx, d, self.device)
+        self.archive.append(self.keys[:, :, : self.n_core].gather(2, gather),
+                            self.values[:, :, : self.n_core].gather(2, gather))
+
+    def _materialize(self, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-length exact K/V [B, H, length, D]; only positions where ``wanted`` [B, H, length] is set are filled."""
+        b, h, _ = wanted.shape
+        d = self.keys.shape[-1]
+        # One spare slot absorbs core entries beyond ``length`` (only present in the middle of a rollback).
+        full_k = self.keys.new_empty(b, h, self.length + 1, d)
+        full_v = self.values.new_empty(b, h, self.length + 1, d)
+        in_core = torch.zeros(b, h, self.length + 1, dtype=torch.bool)
+        if self.n_core:
+            pos = self.core_pos[:, :, : self.n_core].clamp(max=self.length)
+            in_core.scatter_(2, pos, True)
+            idx = _expand(pos, d, self.device)
+            full_k.scatter_(2, idx, self.keys[:, :, : self.n_core])
+            full_v.scatter_(2, idx, self.values[:, :, : self.n_core])
+        full_k, full_v, in_core = full_k[:, :, :-1], full_v[:, :, :-1], in_core[:, :, :-1]
+        missing = (wanted & ~in_core).any(dim=1).any(dim=0).nonzero().flatten()
+        if len(missing):
+            if int(missing.max()) >= self.archive.length:
+                raise RuntimeError("tiered cache invariant broken: a non-core token is not archived")
+            for block in torch.unique(self.archive.block_of(missing)).tolist():
+                start, end, k, v = self.archive.read(block)
+                full_k[:, :, start:end] = k.to(self.device)
+                full_v[:, :, start:end] = v.to(self.device)
+        return full_k, full_v
+
+    # ---- summaries and scoring -----------------------------------------------------------------------------------
+    def refresh_summaries(self, starts: list[int], page_ids: torch.Tensor) -> None:
+        """Recompute min/max for the pages not final yet (the last page is always recomputed)."""
+        pages = len(starts)
+        first = min(self.final_pages, pages - 1)
+        s0 = starts[first]
+        wanted = torch.zeros(self.keys.shape[0], self.keys.shape[1], self.length, dtype=torch.bool)
+        wanted[:, :, s0:] = True
+        full_k, _ = self._materialize(wanted)
+        lo, hi = page_minmax(full_k[:, :, s0:], page_ids[s0:] - first, pages - first)
+        if self.kmin is None or first == 0:
+            self.kmin, self.kmax = lo, hi
+        else:
+            self.kmin = torch.cat([self.kmin[:, :, :first], lo], dim=2)
+            self.kmax = torch.cat([self.kmax[:, :, :first], hi], dim=2)
+        self.final_pages = pages - 1
+
+    def scores(self, queries: torch.Tensor | None, kv_heads: int, reduce: str) -> torch.Tensor:
+        """Page relevance [B, H, pages] from grouped queries, or from the newest core keys when none were recorded."""
+        if queries is None:
+            m = min(self.kv.query_tokens, self.n_core)
+            grouped = self.keys[:, :, self.n_core - m: self.n_core]
+        else:
+            grouped = group_queries(queries, kv_heads)
+        return page_scores(grouped, self.kmin, self.kmax, reduce)
+
+    # ---- re-tiering ----------------------------------------------------------------------------------------------
+    def rebuild(self, priority: torch.Tensor, core: int, assoc: int, page_ids: torch.Tensor) -> None:
+        """Core = the ``core`` highest-priority positions per head, association = the next ``assoc``, rest background.
+
+        ``priority`` [B, H, length] (host); ties go to the earlier position. Everything is archived first, so no
+        token is ever dropped.
+        """
+        self._archive_all()
+        order = torch.sort(-priority, dim=-1, stable=True).indices
+        core_idx = order[..., :core].sort(dim=-1).values
+        assoc_idx = order[..., core: core + assoc].sort(dim=-1).values
+        wanted = torch.zeros_like(priority, dtype=torch.bool)
+        wanted.scatter_(2, core_idx, True).scatter_(2, assoc_idx, True)
+        full_k, full_v = self._materialize(wanted)
+        d = full_k.shape[-1]
+        ci = _expand(core_idx, d, self.device)
+        self._set_core(full_k.gather(2, ci), full_v.gather(2, ci), core_idx)
+        if assoc:
+            ai = _expand(assoc_idx, d, self.device)
+            pages = page_ids[assoc_idx].to(self.device) if self.kv.differential else None
+            self.assoc = AssociationStore.build(full_k.gather(2, ai), full_v.gather(2, ai), self.kv.association_bits,
+                                                self.kv.group_tokens, pages)
+            self.assoc_pos = assoc_idx
+        else:
+            self.assoc, self.assoc_pos = None, None
+
+    def membership(self) -> torch.Tensor:
+        """Tier of each position per head [B, H, length] (host): 0 core, 1 association, 2 background."""
+        b, h = self.core_pos.shape[:2]
+        tier = torch.full((b, h, self.length), 2, dtype=torch.long)
+        if self.n_assoc:
+            tier.scatter_(2, self.assoc_pos, 1)
+        tier.scatter_(2, self.core_pos[:, :, : self.n_core], 0)
+        return tier
+
+    def truncate(self, length: int, page_ids: torch.Tensor | None = None, final_pages: int = 0) -> None:
+        """Remove positions ``>= length`` from every tier (rollback to a prefix).
+
+        ``page_ids`` (of the positions left) matter only in differential mode when heads must be re-balanced;
+        ``final_pages`` is how many leading page summaries stay valid.
+        """
+        if not self.is_initialized or length >= self.length:
+            return
+        length = max(length, 0)
+        core_keep = (self.core_pos[:, :, : self.n_core] < length).sum(dim=-1)
+        assoc_keep = (self.assoc_pos < length).sum(dim=-1) if self.n_assoc else torch.zeros_like(core_keep)
+        self.archive.truncate(length)
+        self.truncate_summaries(final_pages)
+        if self.queries is not None:
+            keep = self.query_pos < length
+            self.queries, self.query_pos = self.queries[:, :, keep.to(self.device)], self.query_pos[keep]
+        if len(torch.unique(core_keep)) == 1 and len(torch.unique(assoc_keep)) == 1:
+            self.n_core = int(core_keep.flatten()[0])
+            if self.n_assoc:
+                self._truncate_assoc(int(assoc_keep.flatten()[0]))
+            self.length = length
+            return
+        # Heads lost different numbers of tokens per tier: re-balance, keeping each token's tier where possible
+        # (a head short of core tokens promotes its earliest association tokens, exactly, from the archive).
+        tier = self.membership()[:, :, :length]
+        self.length = length
+        ids = page_ids if page_ids is not None else torch.zeros(length, dtype=torch.long)
+        self.rebuild((2 - tier).double(), int(core_keep.max()), int(assoc_keep.max()), ids)
+
+    def _truncate_assoc(self, keep: int) -> None:
+        if keep == 0:
+            self.assoc, self.assoc_pos = None, None
+            return
+        a = self.assoc
+        a.keys.length = keep
+        a.values.length = keep
+        a.values.codes, a.values.scale, a.values.zero = (a.values.codes[:, :, :keep], a.values.scale[:, :, :keep],
+                                                         a.values.zero[:, :, :keep])
+        if a.anchor_index is not None:
+            a.anchor_index = a.anchor_index[:, :, :keep]
+        self.assoc_pos = self.assoc_pos[:, :, :keep]
+
+    def truncate_summaries(self, final_pages: int) -> None:
+        self.final_pages = min(self.final_pages, final_pages)
+        if self.kmin is not None:
+            self.kmin, self.kmax = self.kmin[:, :, : self.final_pages], self.kmax[:, :, : self.final_pages]
+            if self.final_pages == 0:
+                self.kmin = self.kmax = None
+
+    # ---- accounting ----------------------------------------------------------------------------------------------
+    def token_bytes(self) -> int:
+        """Bytes one token of this layer takes at full precision (all batch rows and KV heads, K and V)."""
+        if not self.is_initialized:
+            return 0
+        b, h, _, d = self.keys.shape
+        return 2 * b * h * d * self.keys.element_size()
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        summaries = 0 if self.kmin is None else 2 * self.kmin.numel() * self.kmin.element_size()
+        host_index = self.n_core * 8 * (self.core_pos.shape[0] * self.core_pos.shape[1] if self.core_pos is not None
+                                        else 0) + (self.assoc_pos.numel() * 8 if self.n_assoc else 0)
+        return {
+            "core": self.n_core * self.token_bytes(),
+            "association": self.assoc.nbytes() if self.n_assoc else 0,
+            "summaries": summaries,
+            "background_host": self.archive.nbytes(),
+            "index_host": host_index,
+        }

@@ -1,0 +1,120 @@
+"""Group-wise asymmetric quantisation of K/V (KIVI style) into packed 2/4/8-bit codes.
+
+Keys have outlier *channels*, so they are quantised per channel over a block of ``group`` tokens; values have no
+channel structure worth keeping, so they are quantised per token over groups of channels. Scale and zero are fp16.
+Codes are packed along the channel axis: two 4-bit codes per byte, four 2-bit codes, one 8-bit code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VALUE_GROUP = 32  # channels per value group (head_dim 64 -> two groups per token; heads not a multiple use one group)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes (< 2**bits) along the last axis; its length must be a multiple of 8 // bits."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per = 8 // bits
+    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 codes, last axis ``8 // bits`` times longer."""
+    if bits == 8:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+
+
+_LUTS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _lut(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 8 // bits] table: the codes a packed byte holds, as floats (one gather instead of shift/mask/convert)."""
+    key = (bits, dtype, device)
+    if key not in _LUTS:
+        per = 8 // bits
+        byte = torch.arange(256).unsqueeze(1)
+        shifts = torch.arange(0, 8, bits).unsqueeze(0)
+        _LUTS[key] = ((byte >> shifts) & ((1 << bits) - 1)).to(dtype=dtype, device=device).reshape(256, per)
+    return _LUTS[key]
+
+
+def unpack_float(packed: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Unpack codes straight into ``dtype`` (the decode-time path)."""
+    if bits == 8:
+        return packed.to(dtype)
+    vals = torch.nn.functional.embedding(packed.int(), _lut(bits, dtype, packed.device))
+    return vals.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+
+
+def _affine(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """Codes, fp16 scale and fp16 zero for ``x`` given broadcastable group minima and maxima."""
+    levels = (1 << bits) - 1
+    zero = lo.to(torch.float16)
+    span = hi.float() - zero.float()
+    scale = torch.where(span > 0, span / levels, torch.ones_like(span)).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0 ** -24))  # fp16 underflow guard
+    codes = torch.round((x.float() - zero.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+@dataclass
+class Quantized:
+    """Packed codes of a ``[B, H, T, D]`` tensor plus the fp16 scale/zero of each group."""
+
+    codes: torch.Tensor  # uint8 [B, H, T_pad, D * bits / 8]
+    scale: torch.Tensor  # fp16, keys [B, H, T_pad / group, 1, D]; values [B, H, T, D / group, 1]
+    zero: torch.Tensor
+    bits: int
+    length: int
+    per_channel: bool  # True: keys (groups of tokens per channel); False: values (groups of channels per token)
+    group: int
+
+    def nbytes(self) -> int:
+        """Device bytes of codes, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Reconstruct the ``[B, H, T, D]`` tensor in ``dtype``."""
+        vals = unpack_float(self.codes, self.bits, dtype)
+        b, h, t_pad, d = vals.shape
+        if self.per_channel:
+            grouped = vals.view(b, h, t_pad // self.group, self.group, d)
+        else:
+            grouped = vals.view(b, h, t_pad, d // self.group, self.group)
+        # fp16 scale/zero promote inside the in-place ops: no separate casts on the decode path
+        out = grouped.mul_(self.scale).add_(self.zero).view(b, h, t_pad, d)
+        return out[:, :, : self.length]
+
+
+def quantize_keys(x: torch.Tensor, bits: int, group: int = 32) -> Quantized:
+    """Per-channel quantisation over blocks of ``group`` tokens; the last block is padded by repeating its last token."""
+    b, h, t, d = x.shape
+    pad = (-t) % group
+    if pad:
+        filler = x[:, :, -1:].expand(b, h, pad, d) if t else x.new_zeros(b, h, pad, d)
+        x = torch.cat([x, filler], dim=2)
+    grouped = x.reshape(b, h, (t + pad) // group, group, d)
+    lo, hi = grouped.amin(dim=3, keepdim=True), grouped.amax(dim=3, keepdim=True)
+    codes, scale, zero = _affine(grouped, lo, hi, bits)
+    packed = pack_codes(codes.reshape(b, h, t + pad, d), bits)
+    return Quantized(packed, scale, zero, bits, t, True, group)
+
+
+def quantize_values(x: torch.Tensor, bits: int) -> Quantized:
+    """Per-token quantisation over groups of ``VALUE_GROUP`` channels."""
+    b, h, t, d = x.shape
+    group = VALUE_GROUP if d % VALUE_GROUP == 0 else d  # small heads: one group per token
+    grouped = x.reshape(b, h, t, d // group, group)
+    lo, hi = grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
+    codes, scale, zero = _affine(grouped, lo, hi, bits)
+    packed = pack_codes(codes.reshape(b, h, t, d), bits)
+    return Quantized(packed, scale, zero, bits, t, False, group)

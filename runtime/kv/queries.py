@@ -1,0 +1,90 @@
+"""Capture the (post-RoPE) query vectors of the tokens a model is processing, to score pages for a question.
+
+The attention modules of Llama-family models compute queries internally and do not expose them, so a forward
+pre-hook recomputes ``q_proj`` (plus ``q_norm`` where the model has one) and RoPE for the last few tokens only;
+that costs a sliver of the forward pass and needs no change to the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+
+
+class QuerySink(Protocol):
+    """What a cache offers to receive queries (TieredCache and SnapKVCache do)."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+    def record_query(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
+
+
+def _hook(cache: QuerySink, limit: int):
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        b, t, _ = hidden.shape
+        m = min(limit, t)
+        with torch.no_grad():
+            q = module.q_proj(hidden[:, -m:]).view(b, m, -1, module.head_dim)
+            if hasattr(module, "q_norm"):
+                q = module.q_norm(q)
+            q = q.transpose(1, 2)
+            c, s = cos[:, -m:].unsqueeze(1), sin[:, -m:].unsqueeze(1)
+            q = q * c + rotate_half(q) * s
+        start = cache.get_seq_length(module.layer_idx) + t - m
+        cache.record_query(module.layer_idx, q.detach(), torch.arange(start, start + m))
+
+    return hook
+
+
+@contextmanager
+def record_queries(model: torch.nn.Module, cache: QuerySink, tokens: int = 64) -> Iterator[None]:
+    """While active, every forward pass hands the queries of its last ``tokens`` tokens to ``cache``, per layer."""
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError("model has no Llama-style attention modules (q_proj, layer_idx, head_dim) to record from")
+    handles = [m.register_forward_pre_hook(_hook(cache, tokens), with_kwargs=True) for m in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the cache argument of ``model.forward``: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def prepare_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor) -> None:
+    """Re-tier ``cache`` (already holding the document) for a question, leaving its length unchanged.
+
+    Runs the question once to record its queries, rolls the cache back to the document, then re-tiers from those
+    queries. The caller then feeds the question again (e.g. ``generate`` on document + question ids), this time
+    attending to the re-tiered cache; the document is never prefilled twice.
+    """
+    prefix = cache.get_seq_length()
+    kwargs = {cache_kwarg(model): cache}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1  # only the queries matter here
+    tokens = getattr(getattr(cache, "kv", None), "query_tokens", 64)
+    with torch.no_grad(), record_queries(model, cache, tokens=tokens):
+        model(input_ids=question_ids, use_cache=True, **kwargs)
+    queries = cache.take_queries()
+    cache.rollback(prefix)
+    cache.retier(queries=queries)

@@ -1,0 +1,210 @@
+"""TieredCache: a transformers Cache whose device holds only what the current question needs.
+
+Lifecycle: prefill the document (chunks allowed; tokens enter the core exactly, so prefill is exact), optionally
+``set_pages`` with the document's page spans, then ``retier`` for a question (``runtime.kv.queries.prepare_question``
+does record-queries -> rollback -> retier in one call). Decode appends to the core. A later question re-tiers the same
+cache without a second prefill; ``rollback(length)`` removes the question and answer tokens again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.generation import StoppingCriteria
+
+from runtime.kv.config import KVConfig, auto_core_tokens, resolve_budget
+from runtime.kv.layer import TieredLayer
+from runtime.kv.summaries import PageTable
+
+#: Page-score reduction over a question's queries (see summaries.page_scores); chosen by measurement.
+SCORE_REDUCE = "softmax"
+
+
+def as_kv_config(kv: KVConfig | dict[str, Any] | None) -> KVConfig:
+    """Validate a ``kv:`` block (dict from YAML, or a KVConfig)."""
+    if isinstance(kv, KVConfig):
+        return kv
+    return KVConfig.model_validate(kv or {})
+
+
+class TieredCache(Cache):
+    """Three-tier KV cache for Llama-family (full-attention) decoders.
+
+    Args:
+        config: the model's config (its text config gives layers and KV heads).
+        kv: a :class:`KVConfig` or the dict of the ``kv:`` block; ``None`` means the defaults.
+    """
+
+    def __init__(self, config: Any, kv: KVConfig | dict[str, Any] | None = None) -> None:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.kv = as_kv_config(kv)
+        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
+            raise ValueError("TieredCache supports full-attention decoders only; this model uses sliding windows")
+        super().__init__(layers=[TieredLayer(self.kv, i) for i in range(text.num_hidden_layers)])
+        self.pages = PageTable(self.kv.page_tokens)
+        self.retiered_at = 0  # length at the last re-tier
+        self.retiers = 0
+        self.peak_device = 0  # largest device_bytes() seen after a forward pass or a re-tier
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache.update, plus peak tracking once the last layer has appended."""
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == len(self.layers) - 1:
+            self.peak_device = max(self.peak_device, self.device_bytes())
+        return out
+
+    # ---- pages and queries ---------------------------------------------------------------------------------------
+    def set_pages(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Score by these token spans (e.g. one per document page); positions outside them use fixed blocks."""
+        self.pages = PageTable(self.kv.page_tokens, spans)
+        for layer in self.layers:
+            layer.truncate_summaries(0)
+
+    def record_query(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        """Called by :func:`runtime.kv.queries.record_queries` for each layer of each recorded forward."""
+        self.layers[layer_idx].record_query(queries, positions, self.kv.query_tokens)
+
+    def take_queries(self) -> list[torch.Tensor | None]:
+        """Recorded queries per layer, removed from the cache."""
+        return [layer.take_queries() for layer in self.layers]
+
+    # ---- tiering -------------------------------------------------------------------------------------------------
+    def budgets(self, length: int | None = None) -> tuple[int, int]:
+        """(core, association) token counts per layer and head for ``length`` cached tokens."""
+        length = self.get_seq_length() if length is None else length
+        layer = self.layers[0]
+        if self.kv.core_tokens == "auto":
+            per_token = sum(l.token_bytes() for l in self.layers)
+            core = auto_core_tokens(layer.device, per_token, length)
+        else:
+            core = resolve_budget(self.kv.core_tokens, length)
+        forced = min(length, self.kv.sink_tokens + self.kv.recent_tokens)
+        core = min(length, max(core, forced))
+        assoc = min(length - core, resolve_budget(self.kv.association_tokens, length))
+        return core, assoc
+
+    def retier(self, queries: Sequence[torch.Tensor | None] | None = None) -> dict[str, int]:
+        """Assign every cached token to a tier for the current question; no prefill, nothing dropped.
+
+        ``queries``: per layer, post-RoPE query vectors [B, Hq, M, D] of the question (from ``take_queries``);
+        ``None`` uses queries recorded in the cache, or else the newest core keys as a stand-in.
+        Returns the token counts per tier (per layer and head).
+        """
+        length = self.get_seq_length()
+        if length == 0:
+            return self.tier_tokens()
+        core, assoc = self.budgets(length)
+        starts = self.pages.starts(length)
+        page_ids = self.pages.page_ids(length)
+        forced = torch.zeros(length, dtype=torch.bool)
+        forced[: self.kv.sink_tokens] = True
+        forced[max(0, length - self.kv.recent_tokens):] = True
+        for i, layer in enumerate(self.layers):
+            if not layer.is_initialized:
+                continue
+            layer._archive_all()
+            layer.refresh_summaries(starts, page_ids)
+            q = queries[i] if queries is not None else layer.queries
+            page_score = layer.scores(q, self.kv_heads, SCORE_REDUCE).cpu()
+            priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
+            priority[:, :, forced] = float("inf")
+            layer.rebuild(priority, core, assoc, page_ids)
+        self.retiered_at = length
+        self.retiers += 1
+        self.peak_device = max(self.peak_device, self.device_bytes())
+        return self.tier_tokens()
+
+    def maybe_retier(self) -> bool:
+        """Re-tier when ``retier_every`` tokens were added since the last re-tier; call between decode steps."""
+        every = self.kv.retier_every
+        if every is None or self.get_seq_length() - self.retiered_at < every:
+            return False
+        self.retier()
+        return True
+
+    def rollback(self, length: int) -> None:
+        """Forget every token at position ``>= length`` (e.g. a question and its answer), in all tiers."""
+        length = max(0, int(length))
+        if length >= self.get_seq_length():
+            return
+        final_pages = max(0, len(self.pages.starts(length)) - 1)
+        page_ids = self.pages.page_ids(length)
+        for layer in self.layers:
+            layer.truncate(length, page_ids, final_pages)
+        self.retiered_at = min(self.retiered_at, length)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' crop: negative = remove that many tokens from the end (see ``rollback``)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count, or use rollback(length)")
+        self.rollback(self.get_seq_length() + tokens_to_remove)
+
+    # ---- inspection and accounting -------------------------------------------------------------------------------
+    def tier_tokens(self) -> dict[str, int]:
+        """Tokens per tier, per layer and KV head (equal across layers and heads)."""
+        layer = self.layers[0]
+        length = layer.get_seq_length()
+        return {"core": layer.n_core, "association": layer.n_assoc,
+                "background": length - layer.n_core - layer.n_assoc, "total": length}
+
+    def membership(self, layer_idx: int) -> torch.Tensor:
+        """Tier of each position [B, H_kv, length]: 0 core, 1 association, 2 background."""
+        return self.layers[layer_idx].membership()
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes per tier summed over layers: core, association, summaries (device), background_host, index_host."""
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            if layer.is_initialized:
+                for key, value in layer.bytes_by_tier().items():
+                    total[key] = total.get(key, 0) + value
+        return total or {"core": 0, "association": 0, "summaries": 0, "background_host": 0, "index_host": 0}
+
+    def device_bytes(self) -> int:
+        """KV bytes on the compute device: core + association + page summaries."""
+        t = self.tier_bytes()
+        return t["core"] + t["association"] + t["summaries"]
+
+    def host_bytes(self) -> int:
+        """KV bytes in host memory: the compressed exact archive plus tier bookkeeping."""
+        t = self.tier_bytes()
+        return t["background_host"] + t["index_host"]
+
+    def full_bytes(self) -> int:
+        """What a DynamicCache would hold for the same tokens."""
+        return sum(layer.token_bytes() * layer.get_seq_length() for layer in self.layers if layer.is_initialized)
+
+    def accounting(self) -> dict[str, int]:
+        """The per-row metrics of the decode stage: kv_device_bytes, kv_host_bytes, kv_full_bytes, and the KV peak
+        on the device (the prefill, before the first re-tier, usually sets it)."""
+        return {"kv_device_bytes": self.device_bytes(), "kv_host_bytes": self.host_bytes(),
+                "kv_full_bytes": self.full_bytes(), "kv_peak_device_bytes": self.peak_device}
+
+
+class RetierOnSchedule(StoppingCriteria):
+    """Hands ``generate`` a between-steps hook: re-tiers the cache every ``retier_every`` tokens, never stops.
+
+    Use ``model.generate(..., cache=cache, stopping_criteria=StoppingCriteriaList([RetierOnSchedule(cache)]))``.
+    Re-tiering must happen between forward passes (the causal mask is sized before the first layer runs).
+    """
+
+    def __init__(self, cache: TieredCache) -> None:
+        self.cache = cache
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        self.cache.maybe_retier()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def make_cache(config: Any, kv: KVConfig | dict[str, Any] | None) -> Cache:
+    """The cache a ``kv:`` block asks for: ``None`` -> a plain DynamicCache, else a :class:`TieredCache`."""
+    if kv is None:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=config)
+    return TieredCache(config, kv)

@@ -1,0 +1,454 @@
+"""Tiered KV cache: exactness where promised, tier invariants, re-tiering without prefill, accounting, baseline.
+
+Most tests use a tiny random Llama (fast); one slow test checks the real embedded model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
+
+from runtime.kv import KVConfig, SnapKVCache, TieredCache, make_cache, prepare_question, record_queries
+from runtime.kv.association import AssociationStore
+from runtime.kv.background import ExactArchive, pack_exact, unpack_exact
+from runtime.kv.quant import pack_codes, quantize_keys, quantize_values, unpack_codes
+from runtime.kv.summaries import PageTable, page_minmax, upper_bounds
+from runtime.kv.tiered import RetierOnSchedule
+
+IMPLS = ["eager", "sdpa"]
+
+
+def tiny_model(impl: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=256, max_position_embeddings=2048)
+    config._attn_implementation = impl
+    return LlamaForCausalLM(config).eval()
+
+
+def ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, cache, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens, cache=cache, use_cache=True).logits
+
+
+def reference_kv(model, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cache = DynamicCache(config=model.config)
+    run(model, cache, tokens)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def small(**overrides) -> dict:
+    kv = {"core_tokens": 40, "association_tokens": 50, "sink_tokens": 4, "recent_tokens": 8, "page_tokens": 16}
+    kv.update(overrides)
+    return kv
+
+
+# ---- background tier ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_background_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    x = (torch.randn(2, 3, 77, 64) * 5).to(dtype)
+    x[0, 0, 0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40]).to(dtype)
+    blob = pack_exact(x)
+    y = unpack_exact(blob)
+    int_type = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y.view(int_type), x.view(int_type))
+    assert blob.nbytes() <= blob.raw_nbytes() + len(blob.planes)  # an incompressible plane is stored raw
+    if dtype != torch.float16:  # fp16's high byte carries mantissa bits: random data barely compresses
+        assert blob.nbytes() < 0.97 * blob.raw_nbytes()
+
+
+def test_archive_append_read_truncate_exact() -> None:
+    k, v = torch.randn(1, 2, 700, 16), torch.randn(1, 2, 700, 16)
+    archive = ExactArchive(block_tokens=256)
+    archive.append(k[:, :, :100], v[:, :, :100])
+    archive.append(k[:, :, 100:700], v[:, :, 100:700])
+    assert archive.length == 700
+    archive.truncate(333)
+    got_k = torch.cat([archive.read(i)[2] for i in range(len(archive.blocks))], dim=2)
+    got_v = torch.cat([archive.read(i)[3] for i in range(len(archive.blocks))], dim=2)
+    assert torch.equal(got_k, k[:, :, :333]) and torch.equal(got_v, v[:, :, :333])
+    assert archive.block_of(torch.tensor([0, 255, 256, 332])).tolist() == [0, 0, 1, 1]
+
+
+# ---- association tier --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_round_trip(bits: int) -> None:
+    codes = torch.randint(0, 1 << bits, (2, 3, 5, 64), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape[-1] == 64 * bits // 8
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantisation_error_is_within_half_a_step(bits: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 70, 64)
+    x[..., 5] += 20.0  # an outlier channel, as real keys have
+    levels = (1 << bits) - 1
+    keys = quantize_keys(x, bits, group=32)
+    err = (keys.dequantize(torch.float32) - x).abs()
+    pad = torch.cat([x, x[:, :, -1:].expand(-1, -1, 26, -1)], dim=2).reshape(1, 3, 3, 32, 64)
+    step = (pad.amax(3, keepdim=True) - pad.amin(3, keepdim=True)) / levels
+    bound = (0.5 * step + 2e-3 * pad.abs().amax(3, keepdim=True) + 1e-6).expand(-1, -1, -1, 32, -1)
+    assert (err <= bound.reshape(1, 3, 96, 64)[:, :, :70]).all()
+    values = quantize_values(x, bits)
+    err_v = (values.dequantize(torch.float32) - x).abs().reshape(1, 3, 70, 2, 32)
+    grouped = x.reshape(1, 3, 70, 2, 32)
+    step_v = (grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)) / levels
+    assert (err_v <= 0.5 * step_v + 2e-3 * grouped.abs().amax(-1, keepdim=True) + 1e-6).all()
+    # more bits, smaller error; 4-bit keys with an outlier channel stay well under 10% relative error
+    rel = (err.pow(2).mean() / x.pow(2).mean()).sqrt().item()
+    assert rel < {2: 0.35, 4: 0.08, 8: 0.005}[bits]
+
+
+def test_differential_encoding_reconstructs_and_counts_anchor_bytes() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(1, 2, 4, 1, 64) * 3  # four pages with distinct means
+    x = (base + 0.3 * torch.randn(1, 2, 4, 16, 64)).reshape(1, 2, 64, 64)
+    pages = torch.arange(64).div(16, rounding_mode="floor").expand(1, 2, -1)
+    plain = AssociationStore.build(x, x, 4, 32)
+    diff = AssociationStore.build(x, x, 4, 32, pages)
+    for store in (plain, diff):
+        k, v = store.dequantize(torch.float32)
+        assert k.shape == x.shape and (k - x).abs().max() < 0.1 * x.abs().max()
+        assert (v - x).abs().max() < 0.1 * x.abs().max()
+    assert diff.nbytes() > plain.nbytes()  # anchors are paid for on the device
+    _, v_diff = diff.dequantize(torch.float32)
+    _, v_plain = plain.dequantize(torch.float32)
+    assert (v_diff - x).pow(2).mean() < (v_plain - x).pow(2).mean()  # per-token values gain from page anchors
+
+
+# ---- summaries ---------------------------------------------------------------------------------------------------
+def test_page_table_with_explicit_spans_and_upper_bound() -> None:
+    table = PageTable(4, [(5, 12), (20, 30)])
+    assert table.starts(26) == [0, 4, 5, 12, 16, 20]
+    assert table.page_ids(26).tolist()[:13] == [0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 3]
+    with pytest.raises(ValueError, match="overlaps"):
+        PageTable(4, [(0, 10), (5, 12)])
+    keys = torch.randn(1, 2, 26, 8)
+    ids_ = table.page_ids(26)
+    lo, hi = page_minmax(keys, ids_, 6)
+    q = torch.randn(1, 2, 3, 8)
+    bound = upper_bounds(q, lo, hi)  # [1, 2, 3, 6]
+    exact = q @ keys.transpose(-1, -2)  # [1, 2, 3, 26]
+    for page in range(6):
+        assert (exact[..., ids_ == page].amax(-1) <= bound[..., page] + 1e-5).all()
+
+
+# ---- the cache inside a model ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_full_budget_logits_identical_to_dynamic_cache(impl: str) -> None:
+    model = tiny_model(impl)
+    tokens = ids(230)
+    dyn = DynamicCache(config=model.config)
+    want = [run(model, dyn, tokens[:, :150]), run(model, dyn, tokens[:, 150:200])]
+    want += [run(model, dyn, tokens[:, i:i + 1]) for i in range(200, 230)]
+    tiered = TieredCache(model.config, {"core_tokens": 4096, "association_tokens": 4096})
+    got = [run(model, tiered, tokens[:, :150])]
+    tiered.retier()  # between prefill chunks: all still core
+    got.append(run(model, tiered, tokens[:, 150:200]))
+    tiered.retier()
+    got += [run(model, tiered, tokens[:, i:i + 1]) for i in range(200, 230)]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert tiered.tier_tokens() == {"core": 230, "association": 0, "background": 0, "total": 230}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_tiered_attention_matches_manual_attention_over_tiers(impl: str) -> None:
+    """After re-tiering, the model's output equals attention computed by hand over core + dequantised association."""
+    model = tiny_model(impl)
+    tokens = ids(200)
+    cache = TieredCache(model.config, small())
+    run(model, cache, tokens[:, :180])
+    cache.retier()
+    assert cache.get_seq_length() == 180
+    assert cache.get_mask_sizes(1, 0) == (40 + 50 + 1, 180 - 90)
+    assert cache.get_mask_sizes(7, 0) == (97, 90)
+    # reference: a DynamicCache-free forward where attention sees exactly the tiered K/V (eager = sdpa here)
+    other = tiny_model("eager" if impl == "sdpa" else "sdpa")
+    copy = TieredCache(model.config, small())
+    run(other, copy, tokens[:, :180])
+    copy.retier()
+    a = run(model, cache, tokens[:, 180:200])
+    b = run(other, copy, tokens[:, 180:200])
+    assert torch.allclose(a, b, atol=1e-5)
+    assert cache.get_seq_length() == 200 and cache.tier_tokens()["core"] == 60
+
+
+def test_seq_length_positions_and_mask_after_retier() -> None:
+    """Positions keep counting the background tokens: the next token's RoPE position is the logical length."""
+    model = tiny_model("eager")
+    tokens = ids(120)
+    cache = TieredCache(model.config, small(core_tokens=20, association_tokens=10))
+    run(model, cache, tokens[:, :100])
+    cache.retier()
+    assert cache.get_seq_length() == 100
+    seen = {}
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, a, k: seen.update(cos=k["position_embeddings"][0]), with_kwargs=True)
+    run(model, cache, tokens[:, 100:101])
+    hook.remove()
+    want_cos = model.model.rotary_emb(torch.zeros(1, 1, 64), torch.tensor([[100]]))[0]
+    assert torch.equal(seen["cos"], want_cos)
+    assert cache.get_seq_length() == 101 and cache.get_mask_sizes(1, 1) == (20 + 10 + 1 + 1, 101 - 31)
+
+
+def test_every_token_in_exactly_one_tier_with_exact_values() -> None:
+    model = tiny_model()
+    tokens = ids(200)
+    ref = reference_kv(model, tokens[:, :190])
+    cache = TieredCache(model.config, small(association_bits=8))
+    run(model, cache, tokens[:, :190])
+    cache.retier()
+    run(model, cache, tokens[:, 190:200])  # decode tokens join the core
+    cache.rollback(190)
+    for i, layer in enumerate(cache.layers):
+        tiers = layer.membership()
+        assert tiers.shape == (1, 2, 190)
+        counts = [(tiers == t).sum(-1) for t in (0, 1, 2)]
+        assert all(len(torch.unique(c)) == 1 for c in counts)  # same count in every head
+        assert [int(c.flatten()[0]) for c in counts] == [40, 50, 100]
+        # core is exact, background (archive) is exact, association is close
+        k_ref, v_ref = ref[i]
+        pos = layer.core_pos[:, :, : layer.n_core]
+        assert torch.equal(layer.keys[:, :, : layer.n_core], k_ref.gather(2, pos[..., None].expand(-1, -1, -1, 16)))
+        full_k, full_v = layer._materialize(tiers == 2)
+        bg = (tiers == 2)[..., None].expand(-1, -1, -1, 16)
+        assert torch.equal(full_k[bg], k_ref[bg]) and torch.equal(full_v[bg], v_ref[bg])
+        ak, _ = layer.assoc.dequantize(torch.float32)
+        want = k_ref.gather(2, layer.assoc_pos[..., None].expand(-1, -1, -1, 16))
+        assert (ak - want).abs().max() < 0.05 * want.abs().max()
+
+
+def synthetic_cache(kv: dict, length: int = 256, marked: dict[int, int] | None = None) -> tuple[TieredCache, list]:
+    """A TieredCache filled through ``update`` (as attention layers do) with keys where page p leans on channel c."""
+    config = tiny_model().config
+    cache = TieredCache(config, kv)
+    torch.manual_seed(0)
+    ref = []
+    for layer in range(config.num_hidden_layers):
+        k, v = torch.randn(1, 2, length, 16), torch.randn(1, 2, length, 16)
+        for page, channel in (marked or {}).items():
+            k[:, :, page * 16: page * 16 + 16, channel] += 6.0
+        cache.update(k, v, layer)
+        ref.append((k, v))
+    return cache, ref
+
+
+def question_on(cache: TieredCache, channel: int) -> list[torch.Tensor]:
+    """Query vectors (2 query heads per KV head) pointing along one channel."""
+    q = torch.zeros(1, 4, 1, 16)
+    q[..., channel] = 10.0
+    return [q for _ in cache.layers]
+
+
+def test_retier_for_second_question_moves_pages_without_prefill() -> None:
+    cache, ref = synthetic_cache(small(core_tokens=28, association_tokens=16, recent_tokens=4), marked={5: 0, 11: 1})
+    cache.retier(question_on(cache, 0))
+    core_a = cache.membership(0) == 0
+    assert core_a[:, :, 80:96].all()  # page 5 promoted
+    assert cache.tier_tokens() == {"core": 28, "association": 16, "background": 212, "total": 256}
+    cache.retier(question_on(cache, 1))  # a second question: nothing is recomputed, only moved
+    core_b = cache.membership(0) == 0
+    assert core_b[:, :, 176:192].all() and not core_b[:, :, 80:96].any()  # page 11 in, page 5 demoted
+    assert cache.get_seq_length() == 256
+    # page 5 was demoted, not dropped: promote it again and its keys are exact
+    cache.retier(question_on(cache, 0))
+    for layer, (k, v) in zip(cache.layers, ref):
+        pos = layer.core_pos[:, :, : layer.n_core]
+        assert torch.equal(layer.keys[:, :, : layer.n_core], k.gather(2, pos[..., None].expand(-1, -1, -1, 16)))
+        assert torch.equal(layer.values[:, :, : layer.n_core], v.gather(2, pos[..., None].expand(-1, -1, -1, 16)))
+
+
+def test_rollback_serves_many_questions_from_one_prefill() -> None:
+    model = tiny_model()
+    doc, question = ids(180), ids(12, seed=7)
+    cache = TieredCache(model.config, small())
+    run(model, cache, doc)
+    prepare_question(model, cache, question)
+    assert cache.get_seq_length() == 180
+    first = run(model, cache, question)
+    decoded = [run(model, cache, ids(1, seed=s)) for s in range(5)]
+    assert cache.get_seq_length() == 197 and decoded[-1].shape == (1, 1, 256)
+    cache.rollback(180)
+    prepare_question(model, cache, question)
+    again = run(model, cache, question)
+    assert torch.equal(first, again)  # same question after rollback: same tiers, same answer
+
+
+def test_rollback_rebalances_when_heads_lost_different_tiers() -> None:
+    model = tiny_model()
+    tokens = ids(200)
+    cache = TieredCache(model.config, small(recent_tokens=0, sink_tokens=0, core_tokens=30, association_tokens=30))
+    run(model, cache, tokens)
+    cache.retier()  # tokens 160..199 are scored like any others: heads place them differently
+    cache.rollback(160)
+    for layer in cache.layers:
+        tiers = layer.membership()
+        assert tiers.shape[-1] == 160
+        for t in (0, 1, 2):
+            assert len(torch.unique((tiers == t).sum(-1))) == 1
+    logits = run(model, cache, tokens[:, 160:161])
+    assert torch.isfinite(logits).all() and cache.get_seq_length() == 161
+
+
+def test_record_queries_matches_model_attention() -> None:
+    """Recorded queries . cached keys reproduce the model's own eager attention weights."""
+    model = tiny_model("eager")
+    tokens = ids(40)
+    cache = TieredCache(model.config, small())
+    with record_queries(model, cache, tokens=5), torch.no_grad():
+        out = model(input_ids=tokens, cache=cache, output_attentions=True)
+    q = cache.layers[1].queries  # [1, 4, 5, D], positions 35..39
+    assert cache.layers[1].query_pos.tolist() == [35, 36, 37, 38, 39]
+    k = cache.layers[1].keys[:, :, :40].repeat_interleave(2, dim=1)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(16)
+    logits = logits.masked_fill(torch.arange(40) > torch.arange(35, 40)[:, None], -math.inf)
+    assert torch.allclose(torch.softmax(logits, -1), out.attentions[1][:, :, -5:], atol=1e-5)
+
+
+def test_generate_runs_with_the_cache() -> None:
+    model = tiny_model()
+    doc, question = ids(150), ids(10, seed=3)
+    full = torch.cat([doc, question], dim=1)
+    want = model.generate(full, max_new_tokens=6, do_sample=False, cache=DynamicCache(config=model.config))
+    big = TieredCache(model.config, {"core_tokens": 4096})
+    run(model, big, doc)
+    prepare_question(model, big, question)
+    got = model.generate(full, max_new_tokens=6, do_sample=False, cache=big)
+    assert torch.equal(got, want)
+    tight = TieredCache(model.config, small(retier_every=3))
+    run(model, tight, doc)
+    prepare_question(model, tight, question)
+    schedule = StoppingCriteriaList([RetierOnSchedule(tight)])
+    out = model.generate(full, max_new_tokens=7, do_sample=False, cache=tight, stopping_criteria=schedule)
+    assert out.shape == (1, 167) and tight.get_seq_length() == 166
+    assert tight.retiers >= 3  # prepare_question + every 3 tokens during generate
+    assert tight.tier_tokens()["association"] == 50
+    # beam search from an empty cache: reorders tiered rows, re-tiering on schedule
+    beams = TieredCache(model.config, small(retier_every=2))
+    out = model.generate(full, max_new_tokens=4, num_beams=2, do_sample=False, cache=beams,
+                         stopping_criteria=StoppingCriteriaList([RetierOnSchedule(beams)]))
+    assert out.shape == (1, 164) and beams.retiers >= 1
+
+
+def test_accounting_and_auto_budget() -> None:
+    model = tiny_model()
+    cache = TieredCache(model.config, small(core_tokens=0.1, association_tokens=0.25))
+    run(model, cache, ids(400))
+    per_token = 2 * 2 * 2 * 16 * 4  # layers * (K,V) * kv heads * head_dim * fp32
+    assert cache.full_bytes() == 400 * per_token == cache.device_bytes()  # before re-tiering: all core
+    cache.retier()
+    tiers = cache.tier_bytes()
+    assert cache.tier_tokens() == {"core": 40, "association": 100, "background": 260, "total": 400}
+    assert tiers["core"] == 40 * per_token
+    assert 0 < tiers["association"] < 100 * per_token * 0.3
+    assert cache.device_bytes() == tiers["core"] + tiers["association"] + tiers["summaries"]
+    assert cache.device_bytes() < 0.3 * cache.full_bytes()
+    assert cache.host_bytes() >= tiers["background_host"] > 0
+    assert set(cache.accounting()) >= {"kv_device_bytes", "kv_host_bytes", "kv_full_bytes"}
+    assert cache.accounting()["kv_peak_device_bytes"] == 400 * per_token  # the prefill, before re-tiering
+    auto = TieredCache(model.config, {"core_tokens": "auto"})
+    run(model, auto, ids(100))
+    assert auto.budgets() == (100, 0)  # plenty of free memory: everything fits the core
+    assert isinstance(make_cache(model.config, None), DynamicCache)
+    assert isinstance(make_cache(model.config, {"core_tokens": 8}), TieredCache)
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"association_bits": 3}, "association_bits"),
+    ({"core_tokens": -1}, "core_tokens"),
+    ({"association_tokens": -0.5}, "association_tokens"),
+    ({"association_tokens": "auto"}, "association_tokens"),
+    ({"core_tokens": 1.5}, "core_tokens"),
+    ({"core_token": 10}, "core_token"),
+    ({"retier_every": 0}, "retier_every"),
+    ({"background": "zstd"}, "background"),
+    ({"core_tokens": "lots"}, "core_tokens"),
+])
+def test_config_errors_name_the_key(bad: dict, key: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        KVConfig(**bad)
+    assert key in str(err.value)
+
+
+def test_config_accepts_counts_fractions_and_auto() -> None:
+    kv = KVConfig(core_tokens="auto", association_tokens=0.25, association_bits=2, background=None)
+    assert kv.core_tokens == "auto" and kv.association_tokens == 0.25
+    assert KVConfig(core_tokens=1024.0).core_tokens == 1024
+    assert KVConfig(core_tokens="256", association_tokens="0.5").core_tokens == 256  # --set values arrive as text
+
+
+def test_explicit_page_spans_drive_selection() -> None:
+    kv = small(core_tokens=12 + 30, association_tokens=0, page_tokens=64)
+    cache, _ = synthetic_cache(kv, length=200)
+    for layer in cache.layers:  # the span 50..80 leans on channel 3
+        layer.keys[:, :, 50:80, 3] += 6.0
+    cache.set_pages([(50, 80), (80, 150)])
+    cache.retier(question_on(cache, 3))
+    core = cache.membership(0) == 0
+    assert core[:, :, 50:80].all() and int(core.sum(-1).flatten()[0]) == 42  # the whole span fits and wins
+    assert cache.layers[0].kmin.shape[2] == len(cache.pages.starts(200)) == 4  # [0, 50, 80, 150]
+
+
+def test_snapkv_baseline_keeps_budget_and_drops_rest() -> None:
+    model = tiny_model("eager")
+    doc, question = ids(200), ids(8, seed=5)
+    full = DynamicCache(config=model.config)
+    run(model, full, doc)
+    want = run(model, full, question)[:, -1]
+    same = SnapKVCache(model.config, budget_tokens=4096)
+    run(model, same, doc)
+    prepare_question(model, same, question)
+    assert torch.equal(run(model, same, question)[:, -1], want)  # nothing evicted: exact
+    snap = SnapKVCache(model.config, budget_tokens=50)
+    run(model, snap, doc)
+    prepare_question(model, snap, question)
+    assert snap.get_seq_length() == 200 and snap.layers[0].kept == 50
+    assert snap.get_mask_sizes(8, 0) == (58, 150)
+    logits = run(model, snap, question)
+    assert torch.isfinite(logits).all() and snap.device_bytes() == 50 * 2 * 2 * 2 * 16 * 4 + 8 * 2 * 2 * 2 * 16 * 4
+    snap.rollback(200)
+    assert snap.layers[0].kept == 50
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    loading = pytest.importorskip("runtime.loading")
+    try:
+        return loading.load_model("default")
+    except FileNotFoundError as exc:  # ModelNotFoundError: the embedded model package is not installed
+        pytest.skip(str(exc))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+def test_real_model_full_budget_identical(impl: str, real_model) -> None:
+    model, tokenizer = real_model
+    model.config._attn_implementation = impl
+    text = "<|im_start|>user\n" + "The archive opens at nine. " * 20 + "What time does it open?<|im_end|>\n"
+    tokens = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    n = tokens.shape[1]
+    dyn, tiered = DynamicCache(config=model.config), TieredCache(model.config, {"core_tokens": 1.0})
+    want = [run(model, dyn, tokens[:, : n - 3])] + [run(model, dyn, tokens[:, i:i + 1]) for i in range(n - 3, n)]
+    got = [run(model, tiered, tokens[:, : n - 3])]
+    tiered.retier()
+    got += [run(model, tiered, tokens[:, i:i + 1]) for i in range(n - 3, n)]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    # and a tight budget still runs on the real model with re-tiering
+    tight = TieredCache(model.config, {"core_tokens": 0.3, "association_tokens": 0.3, "recent_tokens": 16})
+    run(model, tight, tokens[:, : n - 3])
+    tight.retier()
+    assert tight.device_bytes() < 0.5 * tight.full_bytes()
+    assert torch.isfinite(run(model, tight, tokens[:, n - 3:])).all()
