@@ -1,0 +1,214 @@
+"""Sessions: one prefill of a document, then many questions on it.
+
+The document prefix is prefilled once, in chunks, into a ``DynamicCache``. Each question prefills only its own
+suffix, decodes greedily, and the cache is cropped back to the document prefix before the next question, so the
+answers equal those of a fresh prefill per question.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from runtime import metrics
+from runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
+
+#: Room kept for a question when ``prefill_document`` is not told the questions.
+DEFAULT_QUESTION_RESERVE = 64
+
+
+class ContextTooLong(ValueError):
+    """The prompt plus the answer's token budget exceed the model's context window."""
+
+    def __init__(self, document_tokens: int, extra_tokens: int, limit: int) -> None:
+        self.document_tokens = document_tokens
+        self.extra_tokens = extra_tokens
+        self.limit = limit
+        super().__init__(
+            f"document is {document_tokens} tokens and the question plus answer need {extra_tokens} more, "
+            f"the model holds {limit}")
+
+
+@dataclass
+class Answer:
+    """One question's answer and its measurements."""
+
+    question: str
+    text: str
+    #: Tokens the model read for this question: the document prefix plus this question's suffix.
+    prompt_tokens: int
+    new_tokens: int
+    #: Seconds to the first answer token; the first question after ``prefill`` includes the document prefill.
+    ttft_s: float
+    decode_tokens_per_s: float
+    kv_device_bytes: int
+    kv_host_bytes: int
+    kv_full_bytes: int
+    peak_memory_bytes: int
+    skipped_fraction: float = 0.0
+    finish_reason: str = "eos"  # eos | length
+
+
+def context_limit(model: Any) -> int:
+    """The most positions the model handles (``config.max_position_embeddings``)."""
+    return int(model.config.max_position_embeddings)
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """End-of-sequence ids: the tokenizer's eos, ``<|im_end|>`` where the vocabulary has it, the generation config's."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return ids
+
+
+def cache_kwarg(model: Any) -> str:
+    """The forward argument that takes the KV cache: ``cache`` from transformers 5.2x, ``past_key_values`` before.
+
+    Passing the other name would not fail: it would vanish into ``**kwargs`` and silently run without the cache.
+    """
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Roll the cache back to its first ``length`` tokens (transformers 5 ``crop`` takes minus the tokens to drop)."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"cannot crop a {cache.get_seq_length()}-token cache to {length} tokens")
+    if extra:
+        cache.crop(-extra)
+
+
+class Session:
+    """A model, a tokenizer and the KV cache of one document."""
+
+    def __init__(self, model: Any, tokenizer: Any, prompt: ChatPrompt | None = None,
+                 max_context: int | None = None) -> None:
+        """``max_context`` lowers the context window below the model's (to bound memory, or in tests)."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt = prompt or ChatPrompt(tokenizer)
+        self.device = next(model.parameters()).device
+        self.limit = min(context_limit(model), max_context or context_limit(model))
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self._cache_kwarg = cache_kwarg(model)
+        self.cache: DynamicCache | None = None
+        self.prefix_length = 0
+        #: How many document prefills this session ran (one per document, however many questions).
+        self.document_prefills = 0
+        self.document_prefill_s = 0.0
+        self._charge_prefill = False
+
+    def fit_document(self, document: str, *, questions: Sequence[str] = (), max_new_tokens: int = 128,
+                     truncate: Truncate = "none") -> DocumentPrefix:
+        """The document's prefix tokens, shortened per ``truncate`` so every question and its answer fit.
+
+        Raises ``ContextTooLong`` when they do not fit and ``truncate`` is ``none``.
+        """
+        prefix = self.prompt.prefix(document)
+        suffix = max((len(self.prompt.suffix(q)) for q in questions), default=DEFAULT_QUESTION_RESERVE)
+        reserve = suffix + max_new_tokens
+        if len(prefix) + reserve <= self.limit:
+            return prefix
+        if truncate == "none" or self.limit - reserve <= prefix.body_start:
+            raise ContextTooLong(len(prefix), reserve, self.limit)
+        return truncate_prefix(prefix, self.limit - reserve, truncate, self.prompt.elision())
+
+    @torch.inference_mode()
+    def prefill(self, document_ids: Sequence[int] | DocumentPrefix, chunk_size: int = 512) -> float:
+        """Prefill the document prefix into a fresh cache, ``chunk_size`` tokens per forward; returns seconds.
+
+        Chunks bound the attention scores' memory (chunk x context) while reusing the cache between chunks.
+        """
+        ids = list(document_ids.ids if isinstance(document_ids, DocumentPrefix) else document_ids)
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if len(ids) >= self.limit:
+            raise ContextTooLong(len(ids), 1, self.limit)
+        metrics.reset_peak_memory(self.device)
+        started = metrics.now(self.device)
+        self.cache = DynamicCache(config=self.model.config)
+        for start in range(0, len(ids), chunk_size):
+            self._forward(ids[start:start + chunk_size])
+        self.prefix_length = self.cache.get_seq_length()
+        self.document_prefill_s = metrics.now(self.device) - started
+        self.document_prefills += 1
+        self._charge_prefill = True
+        return self.document_prefill_s
+
+    @torch.inference_mode()
+    def ask(self, question: str, max_new_tokens: int = 128) -> Answer:
+        """Answer ``question`` from the prefilled document by greedy decoding, then restore the cache.
+
+        ``ttft_s`` of the first question after ``prefill`` includes the document prefill time (that is what a
+        user waits for); later questions count only their own suffix prefill. Raises ``ContextTooLong`` when the
+        prompt plus ``max_new_tokens`` exceed the model's context.
+        """
+        if self.cache is None:
+            raise RuntimeError("no document prefilled; call session.prefill(document_ids) first")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        suffix = self.prompt.suffix(question)
+        if self.prefix_length + len(suffix) + max_new_tokens > self.limit:
+            raise ContextTooLong(self.prefix_length, len(suffix) + max_new_tokens, self.limit)
+        if not self._charge_prefill:
+            metrics.reset_peak_memory(self.device)
+        try:
+            return self._answer(question, suffix, max_new_tokens)
+        finally:
+            crop_cache(self.cache, self.prefix_length)
+
+    def _answer(self, question: str, suffix: list[int], max_new_tokens: int) -> Answer:
+        started = metrics.now(self.device)
+        token = int(self._forward(suffix).argmax())
+        ttft = time.perf_counter() - started  # argmax().item() waited for the device
+        if self._charge_prefill:
+            ttft += self.document_prefill_s
+            self._charge_prefill = False
+        generated: list[int] = []
+        steps, finish = 0, "eos"
+        decode_started = time.perf_counter()
+        while token not in self.stop_ids:
+            generated.append(token)
+            if len(generated) >= max_new_tokens:
+                finish = "length"
+                break
+            token = int(self._forward([token]).argmax())
+            steps += 1
+        decode_s = time.perf_counter() - decode_started
+        seq = self.cache.get_seq_length()
+        return Answer(
+            question=question,
+            text=self.tokenizer.decode(generated, skip_special_tokens=True).strip(),
+            prompt_tokens=self.prefix_length + len(suffix),
+            new_tokens=len(generated),
+            ttft_s=ttft,
+            decode_tokens_per_s=steps / decode_s if steps and decode_s > 0 else 0.0,
+            kv_device_bytes=metrics.kv_bytes(self.cache),
+            kv_host_bytes=0,
+            kv_full_bytes=metrics.full_kv_bytes(self.model.config, seq, self.model.dtype),
+            peak_memory_bytes=metrics.peak_memory_bytes(self.device),
+            finish_reason=finish,
+        )
+
+    def _forward(self, ids: Sequence[int]) -> torch.Tensor:
+        """Run ``ids`` through the model on top of the cache; returns the last position's logits."""
+        past = self.cache.get_seq_length()
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        positions = torch.arange(past, past + len(ids), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kwarg: self.cache})
+        return out.logits[0, -1]

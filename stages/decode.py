@@ -1,0 +1,155 @@
+"""decode.generate: answer questions about each document with a causal LM (the adapter to ``runtime``).
+
+One row per (document, question). A document's pages are joined (in page order, with page markers) into one
+prompt prefix that is prefilled once; every question then costs only its own suffix and the answer's decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import pyarrow as pa
+from pydantic import Field, field_validator
+
+from pipelines.registry import register
+from pipelines.stage import Stage, StageParams, error_value
+from stages import schemas
+
+PAGE_COLUMNS = ("doc_id", "source", "page", "text")
+_MODELS: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+
+class DecodeParams(StageParams):
+    model: str = Field("default", description="'default' (the embedded SmolLM2-135M-Instruct) or a local "
+                                              "Hugging Face model folder")
+    prompt: str = Field("{question}", description="template of the question text; {question} is replaced")
+    max_new_tokens: int = Field(128, gt=0, description="most answer tokens per question")
+    prefill_chunk: int = Field(512, gt=0, description="document tokens per prefill forward pass")
+    truncate: Literal["none", "head", "head_tail"] = Field(
+        "none", description="a document longer than the context: none = error row, head = keep its beginning, "
+                            "head_tail = keep beginning and end")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
+    system: str | None = Field(None, description="system message; null = answer from the document, concisely; "
+                                                 "'' = the model's own default")
+
+    @field_validator("prompt")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        try:
+            value.format(question="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"prompt {value!r} is not a template with only {{question}} in it ({exc!r}); "
+                             "write literal braces as {{ and }}") from exc
+        if "{question}" not in value:
+            raise ValueError(f"prompt {value!r} never uses {{question}}; for example 'Answer briefly: {{question}}'")
+        return value
+
+
+@register
+class DecodeGenerate(Stage):
+    """Answer the pipeline's question(s) about each document from its page text, one prefill per document."""
+
+    kind = "decode.generate"
+    version = "1"
+    Params = DecodeParams
+    inputs: ClassVar[dict[str, pa.Schema]] = {
+        "pages": pa.schema([schemas.PAGE_TEXT.field(name) for name in PAGE_COLUMNS]),
+    }
+    output_schema = schemas.QA
+    reads_params = ("question", "questions")
+    resources: ClassVar[dict[str, float]] = {"num_cpus": 1}
+
+    session: Any = None
+
+    def setup(self) -> None:
+        from runtime.loading import resolve_device
+        from runtime.prompt import DEFAULT_SYSTEM, ChatPrompt
+        from runtime.session import Session
+
+        p = self.params
+        key = (p.model, p.dtype, resolve_device(p.device))
+        if key not in _MODELS:
+            from runtime.loading import load_model
+
+            _MODELS[key] = load_model(p.model, dtype=p.dtype, device=key[2])
+        model, tokenizer = _MODELS[key]
+        system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
+        self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system))
+
+    def questions(self) -> list[str]:
+        """``params.questions`` (a list) when given, else ``[params.question]``; ValueError naming the fix."""
+        value = self.context.get("questions")
+        if value is None:
+            value = self.context.get("question")
+        if isinstance(value, str):
+            value = [value]
+        if not value or not all(isinstance(q, str) and q.strip() for q in value):
+            raise ValueError('no question to answer; pass --set params.question="..." '
+                             "(or a list: --set 'params.questions=[\"a\", \"b\"]')")
+        return list(value)
+
+    def run(self, pages: pa.Table) -> pa.Table:
+        rows: list[dict] = []
+        try:
+            questions = self.questions()
+        except ValueError as exc:
+            for doc_id, doc in group_pages(pages).items():
+                rows.append(_row(doc_id, doc["source"], None, error=error_value("no_question", str(exc))))
+            return pa.Table.from_pylist(rows, schema=self.output_schema)
+        for doc_id, doc in group_pages(pages).items():
+            rows.extend(self._answer_document(doc_id, doc["source"], doc["pages"], questions))
+        return pa.Table.from_pylist(rows, schema=self.output_schema)
+
+    def _answer_document(self, doc_id: str, source: str | None, pages: list[tuple[int, str]],
+                         questions: list[str]) -> list[dict]:
+        from runtime.prompt import document_text
+        from runtime.session import ContextTooLong
+
+        def errors(kind: str, message: str) -> list[dict]:
+            return [_row(doc_id, source, q, error=error_value(kind, message)) for q in questions]
+
+        text = document_text(pages)
+        if not text:
+            return errors("no_text", f"none of the document's {len(pages)} page(s) has text; image-only pages "
+                                     "need OCR or the fusion stage before decode.generate")
+        if self.session is None:
+            self.setup()
+        p = self.params
+        prompts = [p.prompt.format(question=q) for q in questions]
+        try:
+            prefix = self.session.fit_document(text, questions=prompts, max_new_tokens=p.max_new_tokens,
+                                               truncate=p.truncate)
+        except ContextTooLong as exc:
+            return errors("context_too_long", f"{exc}; set truncate: head (--set answer.truncate=head) "
+                                              "or use a model with a longer context")
+        self.session.prefill(prefix, chunk_size=p.prefill_chunk)
+        out = []
+        for question, prompt in zip(questions, prompts):
+            a = self.session.ask(prompt, max_new_tokens=p.max_new_tokens)
+            out.append(_row(doc_id, source, question, answer=a.text, prompt_tokens=a.prompt_tokens,
+                            ttft_s=a.ttft_s, decode_tokens_per_s=a.decode_tokens_per_s,
+                            kv_device_bytes=a.kv_device_bytes, kv_host_bytes=a.kv_host_bytes,
+                            kv_full_bytes=a.kv_full_bytes, skipped_fraction=a.skipped_fraction,
+                            peak_memory_bytes=a.peak_memory_bytes))
+        return out
+
+
+def group_pages(table: pa.Table) -> dict[str, dict[str, Any]]:
+    """Rows grouped by ``doc_id`` in order of first appearance; each document's ``(page, text)`` sorted by page."""
+    docs: dict[str, dict[str, Any]] = {}
+    columns: Sequence[list] = [table.column(name).to_pylist() for name in PAGE_COLUMNS]
+    for doc_id, source, page, text in zip(*columns):
+        doc = docs.setdefault(doc_id, {"source": source, "pages": []})
+        if doc["source"] is None:
+            doc["source"] = source
+        doc["pages"].append((page if page is not None else 0, text or ""))
+    for doc in docs.values():
+        doc["pages"].sort(key=lambda item: item[0])
+    return docs
+
+
+def _row(doc_id: str, source: str | None, question: str | None, **values: Any) -> dict:
+    return schemas.empty_row(schemas.QA, doc_id=doc_id, source=source, question=question, **values)

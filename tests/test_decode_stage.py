@@ -1,0 +1,157 @@
+"""decode.generate: parameters, grouping of pages into documents, error rows, answers with the real model."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from pydantic import ValidationError
+
+from pipelines.registry import find_stage
+from stages import schemas
+from stages.decode import DecodeGenerate, group_pages
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def pages_table(rows: list[tuple[str, int, str]], extra: bool = True) -> pa.Table:
+    """PAGE_TEXT rows ``(doc_id, page, text)``; ``extra`` adds columns a producer may carry beyond those read."""
+    data = {
+        "doc_id": [r[0] for r in rows],
+        "source": [f"{r[0]}.pdf" for r in rows],
+        "page": pa.array([r[1] for r in rows], pa.int32()),
+        "text": [r[2] for r in rows],
+    }
+    if extra:
+        data["image_only"] = [not r[2] for r in rows]
+        data["n_words"] = pa.array([len(r[2].split()) for r in rows], pa.int32())
+        data["page_width"] = pa.array([612.0] * len(rows), pa.float32())
+    return pa.table(data)
+
+
+def stage(question=None, questions=None, **params) -> DecodeGenerate:
+    context = {k: v for k, v in {"question": question, "questions": questions}.items() if v is not None}
+    return DecodeGenerate(context=context, **params)
+
+
+# ---------------------------------------------------------------- no model needed
+
+def test_registered_with_its_contract():
+    cls = find_stage("decode.generate")
+    assert cls is DecodeGenerate
+    assert cls.output_schema == schemas.QA
+    assert cls.inputs["pages"].names == ["doc_id", "source", "page", "text"]
+    assert set(cls.reads_params) == {"question", "questions"}
+    assert cls.resources["num_cpus"] >= 1
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"prompt": "Answer: {q}"}, "only {question}"),
+    ({"prompt": "Answer briefly."}, "never uses {question}"),
+    ({"max_new_tokens": 0}, "greater than 0"),
+    ({"truncate": "middle"}, "none"),
+    ({"dtype": "int8"}, "bfloat16"),
+    ({"kv_bits": 4}, "Extra inputs"),
+])
+def test_bad_params_are_refused_with_the_reason(params, message):
+    with pytest.raises(ValidationError, match=message):
+        stage("q", **params)
+
+
+def test_questions_list_wins_over_question():
+    assert stage("one", ["a", "b"]).questions() == ["a", "b"]
+    assert stage("one").questions() == ["one"]
+    assert stage(questions="solo").questions() == ["solo"]
+    with pytest.raises(ValueError, match=r"--set params.question="):
+        stage().questions()
+
+
+def test_missing_question_gives_one_error_row_per_document_without_loading_a_model():
+    out = stage().run(pages_table([("a", 0, "x"), ("b", 0, "y"), ("a", 1, "z")]))
+    assert out.schema == schemas.QA
+    assert out.column("doc_id").to_pylist() == ["a", "b"]
+    assert all(e.startswith("no_question: ") and "--set params.question=" in e for e in out.column("error").to_pylist())
+    assert out.column("answer").null_count == 2
+
+
+def test_empty_batch_gives_an_empty_table():
+    out = stage("q").run(pages_table([]))
+    assert out.num_rows == 0 and out.schema == schemas.QA
+
+
+def test_unknown_model_fails_setup_with_the_fix():
+    from runtime.loading import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="model: default"):
+        stage("q", model="./no/such/model").setup()
+
+
+def test_group_pages_keeps_document_order_and_sorts_pages():
+    table = pages_table([("b", 2, "b3"), ("a", 1, "a2"), ("b", 0, "b1"), ("a", 0, "a1"), ("b", 1, "b2")])
+    docs = group_pages(table)
+    assert list(docs) == ["b", "a"]
+    assert docs["b"]["pages"] == [(0, "b1"), (1, "b2"), (2, "b3")]
+    assert docs["a"] == {"source": "a.pdf", "pages": [(0, "a1"), (1, "a2")]}
+
+
+def test_document_without_text_is_an_error_row_per_question_without_loading_a_model():
+    out = stage(questions=["q1", "q2"]).run(pages_table([("scan", 0, ""), ("scan", 1, "   ")]))
+    assert out.column("question").to_pylist() == ["q1", "q2"]
+    for error in out.column("error").to_pylist():
+        assert error.startswith("no_text: ") and "OCR or the fusion stage" in error
+
+
+# ---------------------------------------------------------------- the real model (slow)
+
+@pytest.fixture(scope="module")
+def passkey_pages() -> list[tuple[str, int, str]]:
+    return [
+        ("key", 1, FILLER * 4 + "The pass key is 71432. Remember it. 71432 is the pass key. " + FILLER * 4),
+        ("key", 0, "# Security note\n\n" + FILLER * 2),
+        ("key", 2, ""),  # an image-only page contributes nothing
+    ]
+
+
+@pytest.mark.slow
+def test_answers_one_row_per_document_and_question(passkey_pages):
+    decode = stage(questions=["What is the pass key?", "What color is the sky?"], max_new_tokens=16)
+    decode.setup()
+    table = pages_table([("sky", 0, "# Weather\n\nThe sky is blue today. It rained yesterday.")] + passkey_pages)
+    out = decode.run(table)
+    assert out.schema == schemas.QA
+    rows = out.to_pylist()
+    assert [(r["doc_id"], r["question"]) for r in rows] == [
+        ("sky", "What is the pass key?"), ("sky", "What color is the sky?"),
+        ("key", "What is the pass key?"), ("key", "What color is the sky?")]
+    assert all(r["error"] is None for r in rows)
+    assert "blue" in rows[1]["answer"].lower()
+    assert "71432" in rows[2]["answer"]
+    assert rows[2]["ttft_s"] > rows[3]["ttft_s"]  # the first question carries the document prefill
+    assert decode.session.document_prefills == 2  # once per document, not per question
+    for r in rows:
+        assert r["source"] == f"{r['doc_id']}.pdf"
+        assert r["prompt_tokens"] > 0 and r["ttft_s"] > 0 and r["decode_tokens_per_s"] >= 0
+        assert r["kv_device_bytes"] == r["kv_full_bytes"] > 0 and r["kv_host_bytes"] == 0
+        assert r["peak_memory_bytes"] > 0 and r["skipped_fraction"] == 0.0
+
+
+@pytest.mark.slow
+def test_too_long_document_is_an_error_row_and_other_documents_still_answer():
+    decode = stage("What color is the sky?", max_new_tokens=8)
+    decode.setup()
+    huge = FILLER * 420  # about 9,700 tokens: more than the 8,192 the model holds (only tokenised, never run)
+    out = decode.run(pages_table([("huge", 0, huge), ("sky", 0, "The sky is blue.")])).to_pylist()
+    assert out[0]["doc_id"] == "huge" and out[0]["answer"] is None
+    assert out[0]["error"].startswith("context_too_long: document is ")
+    assert "the model holds 8192" in out[0]["error"] and "truncate" in out[0]["error"]
+    assert out[1]["error"] is None and out[1]["answer"]
+
+
+@pytest.mark.slow
+def test_truncate_head_fits_the_document_into_the_context():
+    decode = stage("What color is the sky?", max_new_tokens=8, truncate="head", prompt="Briefly: {question}")
+    decode.setup()
+    decode.session.limit = 256  # a small context keeps the prefill short; the model's own is 8192
+    out = decode.run(pages_table([("long", 0, "The sky is blue. " + FILLER * 40)])).to_pylist()
+    assert out[0]["error"] is None and out[0]["answer"]
+    assert out[0]["question"] == "What color is the sky?"  # the question, not the formatted prompt
+    assert out[0]["prompt_tokens"] + 8 <= 256
