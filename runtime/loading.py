@@ -126,7 +126,9 @@ def load_model(name: str = "default", dtype: str | torch.dtype | None = "auto",
         configure_threads()
     folder = _model_folder(name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a sub-second load needs no bar; docfuse's own CLI shows progress
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model.to(device).eval()

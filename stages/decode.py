@@ -91,6 +91,20 @@ class DecodeGenerate(Stage):
                              "(or a list: --set 'params.questions=[\"a\", \"b\"]')")
         return list(value)
 
+    def pass_errors(self, errors: pa.Table) -> pa.Table:
+        """Upstream errors in the pdf_qa grain: one row per (document, question), each carrying the error."""
+        try:
+            questions: list[str | None] = list(self.questions())
+        except ValueError:
+            questions = [None]
+        rows, seen = [], set()
+        for r in errors.to_pylist():
+            if (r["doc_id"], r["error"]) in seen:
+                continue
+            seen.add((r["doc_id"], r["error"]))
+            rows.extend(_row(r["doc_id"], r.get("source"), q, error=r["error"]) for q in questions)
+        return pa.Table.from_pylist(rows, schema=self.output_schema)
+
     def run(self, pages: pa.Table) -> pa.Table:
         rows: list[dict] = []
         try:

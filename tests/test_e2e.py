@@ -1,0 +1,138 @@
+"""End to end through the installed `docfuse` command: real PDFs, the real embedded model, real Parquet."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests import pdf_fixtures as fx
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCFUSE = str(Path(sys.executable).parent / "docfuse")
+EXTRACT_COLUMNS = ["doc_id", "source", "page", "text", "image_only", "n_words", "error"]
+QA_COLUMNS = ["doc_id", "source", "question", "answer", "prompt_tokens", "ttft_s", "decode_tokens_per_s",
+              "kv_device_bytes", "kv_host_bytes", "kv_full_bytes", "skipped_fraction", "peak_memory_bytes", "error"]
+
+
+def docfuse(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([DOCFUSE, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pdfs")
+    files = fx.write_all(folder)
+    unreadable = folder / "unreadable.pdf"
+    unreadable.write_bytes(files["born_digital"].read_bytes())
+    unreadable.chmod(0)
+    files["unreadable"] = unreadable
+    return files
+
+
+def by_source(table) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for row in table.to_pylist():
+        out.setdefault(Path(row["source"]).stem, []).append(row)
+    return out
+
+
+def test_pdf_extract_keeps_every_good_page_and_gives_each_bad_file_an_error_row(fixtures, tmp_path):
+    out = tmp_path / "pages.parquet"
+    res = docfuse("run", "pdf_extract", "-i", str(fixtures["born_digital"].parent), "-o", str(out),
+                  "--batch-docs", "3", "--no-cache")
+    assert res.returncode == 3, res.stderr  # some rows failed, the rest finished
+    table = pq.read_table(out)
+    assert table.schema.names == EXTRACT_COLUMNS
+    rows = by_source(table)
+    expected = {"empty": "empty_file", "header_only": "no_pages", "encrypted": "encrypted",
+                "text_named_pdf": "not_pdf", "corrupt": "corrupt"}
+    rows = {name: rows[path.stem] for name, path in fixtures.items()}
+    for name, kind in expected.items():
+        assert [r["error"].split(":")[0] for r in rows[name]] == [kind], (name, rows[name])
+    if os.geteuid() != 0:  # root reads files whatever their mode
+        assert rows["unreadable"][0]["error"].startswith("unreadable:")
+    assert len(rows["born_digital"]) == 3 and all(r["error"] is None for r in rows["born_digital"])
+    assert len(rows["broken_xref"]) == 3 and all(r["error"] is None and r["n_words"] > 0 for r in rows["broken_xref"])
+    assert [r["image_only"] for r in rows["image_only"]] == [True] and rows["image_only"][0]["text"] == ""
+    assert rows["type3_no_tounicode"][0]["error"] is None and rows["type3_no_tounicode"][0]["image_only"]
+    # huge page: extraction is fine (rendering is what fails on it, tested with pdf.render)
+    assert all(r["error"] is None for r in rows["huge_page"])
+    assert "| " in rows["ruled_table"][0]["text"]
+
+
+def test_encrypted_pdf_opens_with_password_from_set(fixtures, tmp_path):
+    out = tmp_path / "enc.parquet"
+    res = docfuse("run", "pdf_extract", "-i", str(fixtures["encrypted"]), "-o", str(out), "--no-cache",
+                  "--set", f"pages.password={fx.USER_PASSWORD}")
+    assert res.returncode == 0, res.stderr
+    assert pq.read_table(out).num_rows == 2
+    wrong = docfuse("run", "pdf_extract", "-i", str(fixtures["encrypted"]), "-o", str(out), "--no-cache",
+                    "--set", "pages.password=nope")
+    assert wrong.returncode == 3
+    assert pq.read_table(out).column("error")[0].as_py().startswith("wrong_password:")
+
+
+def test_unreadable_path_is_an_error_row_through_the_cli(fixtures, tmp_path):
+    out = tmp_path / "u.parquet"
+    res = docfuse("run", "pdf_extract", "-i", str(fixtures["born_digital"]), "-i", str(tmp_path / "missing.pdf"),
+                  "-o", str(out), "--no-cache")
+    assert res.returncode == 3
+    errors = [e for e in pq.read_table(out).column("error").to_pylist() if e]
+    assert len(errors) == 1 and errors[0].startswith("unreadable:")
+
+
+def test_validate_and_stages_commands(tmp_path):
+    assert docfuse("validate", "pdf_qa").returncode == 0
+    bad = docfuse("validate", "pdf_qa", "--set", "answer.colour=red", "--set", "text.tables=sometimes")
+    assert bad.returncode == 2
+    assert "unknown parameter 'colour'" in bad.stderr and "tables" in bad.stderr
+    listing = docfuse("stages", "--json")
+    kinds = {d["kind"] for d in json.loads(listing.stdout)}
+    assert {"pdf.open", "pdf.text", "pdf.render", "vision.patches", "text.pages", "decode.generate"} <= kinds
+
+
+@pytest.mark.slow
+def test_ask_answers_from_the_sample_pdf():
+    res = docfuse("ask", "data/sample.pdf", "What is the monthly fee?", "--no-cache")
+    assert res.returncode == 0, res.stderr
+    assert "4,250" in res.stdout
+
+
+@pytest.mark.slow
+def test_pdf_qa_two_questions_one_prefill_and_error_rows_per_question(fixtures, tmp_path):
+    out = tmp_path / "qa.parquet"
+    res = docfuse("run", "pdf_qa", "-i", "data/sample.pdf", "-i", str(fixtures["encrypted"]), "-o", str(out),
+                  "--no-cache", "--set", 'params.questions=["What is the monthly fee?", "Which law governs the agreement?"]',
+                  "--set", "answer.max_new_tokens=24")
+    assert res.returncode == 3, res.stderr
+    table = pq.read_table(out)
+    assert table.schema.names == QA_COLUMNS
+    rows = by_source(table)
+    sample, enc = rows["sample"], rows["encrypted"]
+    assert [r["question"] for r in sample] == ["What is the monthly fee?", "Which law governs the agreement?"]
+    assert "4,250" in sample[0]["answer"] and "Ireland" in sample[1]["answer"]
+    assert all(r["error"] is None and r["prompt_tokens"] > 500 for r in sample)
+    # the document is prefilled once: the second question's time to first token excludes it
+    assert sample[1]["ttft_s"] < sample[0]["ttft_s"]
+    assert sample[0]["kv_device_bytes"] > 0 and sample[0]["kv_full_bytes"] >= sample[0]["kv_device_bytes"]
+    assert [r["error"].split(":")[0] for r in enc] == ["encrypted", "encrypted"]
+    assert [r["question"] for r in enc] == [r["question"] for r in sample]
+
+
+@pytest.mark.slow
+def test_document_longer_than_the_context_is_an_error_row_unless_truncation_is_asked(tmp_path):
+    long_doc = tmp_path / "long.txt"
+    long_doc.write_text(" ".join(f"Sentence {i} talks about nothing in particular." for i in range(4000)))
+    out = tmp_path / "long.parquet"
+    res = docfuse("run", "text_qa", "-i", str(long_doc), "-o", str(out), "--no-cache",
+                  "--set", "answer.max_new_tokens=8")
+    assert res.returncode == 3
+    error = pq.read_table(out).column("error")[0].as_py()
+    assert error.startswith("context_too_long:") and "truncate" in error
