@@ -1,6 +1,7 @@
 """Sessions: one prefill of a document, then many questions on it.
 
-The document prefix is prefilled once, in chunks, into a ``DynamicCache``. Each question prefills only its own
+The document prefix is prefilled once, in chunks, into a ``DynamicCache`` or, given a ``kv`` config, a
+``TieredCache`` that each question re-tiers from its own queries before it is answered (see runtime.kv). Each question prefills only its own
 suffix, decodes greedily, and the cache is cropped back to the document prefix before the next question, so the
 answers equal those of a fresh prefill per question.
 """
@@ -17,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from runtime import metrics
+from runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question
 from runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
 
 #: Room kept for a question when ``prefill_document`` is not told the questions.
@@ -96,8 +98,12 @@ class Session:
     """A model, a tokenizer and the KV cache of one document."""
 
     def __init__(self, model: Any, tokenizer: Any, prompt: ChatPrompt | None = None,
-                 max_context: int | None = None) -> None:
-        """``max_context`` lowers the context window below the model's (to bound memory, or in tests)."""
+                 max_context: int | None = None, kv: KVConfig | dict | None = None) -> None:
+        """``max_context`` lowers the context window below the model's (to bound memory, or in tests).
+
+        ``kv``: None for a plain full cache, else the tiered cache's budgets (a KVConfig or its dict).
+        """
+        self.kv = as_kv_config(kv) if kv is not None else None
         self.model = model
         self.tokenizer = tokenizer
         self.prompt = prompt or ChatPrompt(tokenizer)
@@ -105,7 +111,7 @@ class Session:
         self.limit = min(context_limit(model), max_context or context_limit(model))
         self.stop_ids = stop_token_ids(model, tokenizer)
         self._cache_kwarg = cache_kwarg(model)
-        self.cache: DynamicCache | None = None
+        self.cache: Any = None
         self.prefix_length = 0
         #: How many document prefills this session ran (one per document, however many questions).
         self.document_prefills = 0
@@ -140,7 +146,7 @@ class Session:
             raise ContextTooLong(len(ids), 1, self.limit)
         metrics.reset_peak_memory(self.device)
         started = metrics.now(self.device)
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
         for start in range(0, len(ids), chunk_size):
             self._forward(ids[start:start + chunk_size])
         self.prefix_length = self.cache.get_seq_length()
@@ -173,6 +179,9 @@ class Session:
 
     def _answer(self, question: str, suffix: list[int], max_new_tokens: int) -> Answer:
         started = metrics.now(self.device)
+        tiered = hasattr(self.cache, "retier")
+        if tiered:  # re-tier for this question from its own queries; counted in its time to first token
+            prepare_question(self.model, self.cache, torch.tensor([suffix], dtype=torch.long, device=self.device))
         token = int(self._forward(suffix).argmax())
         ttft = time.perf_counter() - started  # argmax().item() waited for the device
         if self._charge_prefill:
@@ -188,8 +197,16 @@ class Session:
                 break
             token = int(self._forward([token]).argmax())
             steps += 1
+            if tiered:
+                self.cache.maybe_retier()
         decode_s = time.perf_counter() - decode_started
         seq = self.cache.get_seq_length()
+        if tiered:
+            acc = self.cache.accounting()
+            kv_device, kv_host, kv_full = acc["kv_device_bytes"], acc["kv_host_bytes"], acc["kv_full_bytes"]
+        else:
+            kv_device, kv_host = metrics.kv_bytes(self.cache), 0
+            kv_full = metrics.full_kv_bytes(self.model.config, seq, self.model.dtype)
         return Answer(
             question=question,
             text=self.tokenizer.decode(generated, skip_special_tokens=True).strip(),
@@ -197,9 +214,9 @@ class Session:
             new_tokens=len(generated),
             ttft_s=ttft,
             decode_tokens_per_s=steps / decode_s if steps and decode_s > 0 else 0.0,
-            kv_device_bytes=metrics.kv_bytes(self.cache),
-            kv_host_bytes=0,
-            kv_full_bytes=metrics.full_kv_bytes(self.model.config, seq, self.model.dtype),
+            kv_device_bytes=kv_device,
+            kv_host_bytes=kv_host,
+            kv_full_bytes=kv_full,
             peak_memory_bytes=metrics.peak_memory_bytes(self.device),
             finish_reason=finish,
         )

@@ -32,8 +32,30 @@ class DecodeParams(StageParams):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
+    kv: dict[str, Any] | None = Field(None, description="tiered KV cache budgets (core_tokens, association_tokens, "
+                                      "association_bits, ...; see runtime.kv.KVConfig); null = a plain full cache")
     system: str | None = Field(None, description="system message; null = answer from the document, concisely; "
                                                  "'' = the model's own default")
+
+    @field_validator("kv")
+    @classmethod
+    def _kv(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        from pydantic import ValidationError
+
+        from runtime.kv import KVConfig
+
+        try:
+            return KVConfig(**value).model_dump(mode="json")
+        except ValidationError as exc:
+            accepted = ", ".join(KVConfig.model_fields)
+            problems = []
+            for err in exc.errors():
+                key = ".".join(str(p) for p in err["loc"]) or "kv"
+                hint = f"; accepted keys: {accepted}" if err["type"] == "extra_forbidden" else ""
+                problems.append(f"kv.{key}: {err['msg']}{hint}")
+            raise ValueError("; ".join(problems)) from None
 
     @field_validator("prompt")
     @classmethod
@@ -77,7 +99,7 @@ class DecodeGenerate(Stage):
             _MODELS[key] = load_model(p.model, dtype=p.dtype, device=key[2])
         model, tokenizer = _MODELS[key]
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
-        self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system))
+        self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv)
 
     def questions(self) -> list[str]:
         """``params.questions`` (a list) when given, else ``[params.question]``; ValueError naming the fix."""

@@ -136,3 +136,20 @@ def test_document_longer_than_the_context_is_an_error_row_unless_truncation_is_a
     assert res.returncode == 3
     error = pq.read_table(out).column("error")[0].as_py()
     assert error.startswith("context_too_long:") and "truncate" in error
+
+
+@pytest.mark.slow
+def test_pdf_qa_with_tiered_kv_cache_answers_and_reports_tier_bytes(tmp_path):
+    out = tmp_path / "kv.parquet"
+    res = docfuse("run", "pdf_qa", "-i", "data/sample.pdf", "-o", str(out), "--no-cache",
+                  "--set", 'params.questions=["What is the monthly fee?", "Which law governs the agreement?"]',
+                  "--set", "answer.max_new_tokens=24",
+                  "--set", "answer.kv={core_tokens: 0.1, association_tokens: 0.25, association_bits: 4}")
+    assert res.returncode == 0, res.stderr
+    fee, law = pq.read_table(out).to_pylist()
+    assert "4,250" in fee["answer"] and "Ireland" in law["answer"]
+    for row in (fee, law):
+        assert row["kv_host_bytes"] > 0, "the background tier holds the exact copy in host memory"
+        assert row["kv_device_bytes"] < 0.3 * row["kv_full_bytes"]
+    bad = docfuse("validate", "pdf_qa", "--set", "answer.kv.association_bits=3")
+    assert bad.returncode == 2 and "association_bits" in bad.stderr

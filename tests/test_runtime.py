@@ -287,3 +287,18 @@ def test_context_overflow_raises_with_numbers_and_truncation_fits(model_and_toke
     with pytest.raises(ContextTooLong):
         session.ask("Q?", max_new_tokens=64)
     assert session.ask("Q?", max_new_tokens=8).new_tokens <= 8
+
+
+@pytest.mark.slow
+def test_tiered_session_with_budgets_covering_the_document_answers_like_the_plain_one():
+    from runtime.loading import load_model
+    from runtime.session import Session
+
+    model, tokenizer = load_model("default")
+    doc = "Notes. " * 40 + "The pass key is 58213. Remember it. " + "More notes. " * 40
+    answers = []
+    for kv in (None, {"core_tokens": 1.0, "association_tokens": 0}):
+        session = Session(model, tokenizer, kv=kv)
+        session.prefill(session.fit_document(doc, questions=["What is the pass key?"], max_new_tokens=16))
+        answers.append(session.ask("What is the pass key?", max_new_tokens=16).text)
+    assert answers[0] == answers[1] and "58213" in answers[0]
