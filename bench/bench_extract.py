@@ -24,7 +24,8 @@ from pipelines import Pipeline  # noqa: E402
 
 
 def norm(text: str) -> str:
-    return re.sub(r"\s+", " ", text or "").strip().lower()
+    """Letters and digits only: table finders differ in spacing, thousands separators and line breaks."""
+    return re.sub(r"[^0-9a-z]+", "", (text or "").lower())
 
 
 def reference_tables(paths: list[Path]) -> dict[tuple[str, int], list[list[str]]]:

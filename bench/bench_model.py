@@ -1,6 +1,6 @@
 """Measure model load time, prefill and decode speed per dtype, and a pass-key sanity check.
 
-    python -m runtime.bench --dtypes float32 bfloat16 --tokens 1024 --new-tokens 32 [--convert]
+    .venv/bin/python bench/bench_model.py --dtypes float32 bfloat16 --tokens 1024 --new-tokens 32 [--convert]
 
 ``--convert`` first converts the GGUF into a temporary DOCFUSE_HOME to time the one-off conversion. Prints one JSON
 line per measurement; the CPU figures decide ``resolve_dtype``'s CPU default (speed and a correct pass key).
@@ -15,10 +15,14 @@ import platform
 import tempfile
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 
-from runtime import loading
-from runtime.session import Session
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runtime import loading  # noqa: E402
+from runtime.session import Session  # noqa: E402
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 KEY = "The pass key is 71432. Remember it. 71432 is the pass key. "
