@@ -1,6 +1,6 @@
 """Tables on a page, as Markdown placed where the table sits.
 
-Two detectors:
+Three detectors, in this order (each takes its words off the page before the next one looks):
 - ruled tables (cell borders drawn as lines or rectangles): PyMuPDF's ``find_tables`` with its "lines"
   strategy. It costs tens to hundreds of milliseconds a page, so with ``tables="auto"`` it only runs where a
   cheap gate fires: the page's vector drawings hold at least 3 distinct horizontal and 3 distinct vertical
@@ -9,9 +9,17 @@ Two detectors:
   page with a text layer.
   ``use_layout=False`` keeps it deterministic: it does not depend on the optional ONNX layout model
   (pymupdf_layout), whose presence would otherwise change the results and add ~0.3 s a page.
-- unruled tables (columns made by whitespace alone): our own analysis of word boxes, which is both the gate
-  and the detector, since it is cheap: at least 3 consecutive rows whose words fall into at least 3 columns
-  separated by the same whitespace gutters, with short cells (prose in columns has long ones).
+- unruled tables of figures (financial statements, contents pages): our own analysis of word boxes, cheap
+  enough (~2 ms a page) to run on every page, so it is its own gate. Rows split into cells at wide gaps; a data
+  row is a text label followed by figures ("$ 6,779", "(1,234)", "12%", "—"); consecutive data rows whose
+  figure columns overlap make a table, with the label-only rows between them ("Earnings per share:") and the
+  header rows right above them (years, "Year ended December 31,", "(in thousands)"). It takes two data rows
+  with two figures in two shared columns, or one such row under headers that name two of its columns, or a
+  contents page (labels with right-aligned page numbers far from them). Prose does not qualify: its words
+  are separated by ordinary spaces, so its figures never stand alone in cells.
+- other unruled tables (columns made by whitespace alone): at least 3 consecutive rows whose words fall into
+  at least 3 columns separated by the same whitespace gutters, with short cells (prose in columns has long
+  ones, and its lines mostly start in lower case).
 
 Cell text is rebuilt from the page's own words (not ``Table.extract()``, which splits "1,200" into "1200\\n,"
 under MuPDF's small glyph heights), so the words a table claims are exactly the ones removed from the plain
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -46,6 +55,7 @@ MIN_GRID_LINES = 3         # distinct horizontal and vertical positions the gate
 MIN_ROWS = 3               # unruled: rows in a run
 MIN_COLS = 3               # unruled: columns in a run
 MAX_WORDS_PER_CELL = 4.0   # unruled: mean words per filled cell; prose columns run longer
+MAX_LOWER_SHARE = 0.4      # unruled: share of cells (below the first row) that may start in lower case
 
 
 @dataclass
@@ -247,7 +257,270 @@ def _table_from_run(run: list[_Row]) -> PageTable | None:
     if sum(len(c) for c in filled) / len(filled) > MAX_WORDS_PER_CELL:
         return None
     texts = [[_join(ws) for ws in row] for row in rows_words]
+    if _reads_as_prose([t for row in texts[1:] for t in row if t]):
+        return None
     return PageTable(bbox=bbox_of([w for w, _ in claimed]), rows=texts, words=claimed, ruled=False)
+
+
+def _reads_as_prose(cells: list[str]) -> bool:
+    """Cells that are lines of running text: columns of prose side by side (a narrow three-column page) share
+    their gutters like a table, but most of their lines start in lower case, continuing a sentence."""
+    return bool(cells) and sum(c[0].islower() for c in cells) > MAX_LOWER_SHARE * len(cells)
+
+
+# --- unruled tables of figures (financial statements) -----------------------------------------------------
+
+#: A figure as statements print it: 1,234  (1,234)  -3.5  12%  $6,779  0.29  4.1†; also dashes and "n/a".
+_FIGURE = re.compile(r"^[(\[]?[-+−–]?[$€£¥]?\(?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\)?%?\)?[*†‡]?$")
+_PLACEHOLDERS = {"—", "–", "-", "--", "%", ")%", "n/a", "na", "nm", "n.m.", "*"}   # stand in a figure's place
+_CURRENCY = {"$", "€", "£", "¥", "us$", "c$", "a$"}
+_YEAR = re.compile(r"^(19|20)\d\d$")
+CELL_GAP = 0.8             # em: a wider gap between two words of a row separates cells
+MAX_VALUE_WORDS = 5        # words in a text cell among a row's figures ("April 15 and October 15")
+MAX_LABEL_ROWS = 3         # label-only rows ("Earnings per share:") between two rows of figures
+MAX_HEADER_ROWS = 5        # header rows ("Year ended December 31,", "2015 2014", "(in thousands)")
+MAX_HEADER_WORDS = 8       # words in one header cell; prose runs longer
+MIN_TOC_ROWS = 3           # a single column of figures (a contents page) needs this many rows
+
+
+def is_figure(text: str) -> bool:
+    """A word that can fill a cell of a column of figures: a number as statements print it, or a placeholder.
+    Not a number inside a sentence ("2016," "31,") nor a code ("10-Q", "2015-16")."""
+    t = text.lower()
+    return t in _PLACEHOLDERS or bool(_FIGURE.match(t))
+
+
+def _is_currency(word: Word) -> bool:
+    return word.text.lower() in _CURRENCY
+
+
+@dataclass
+class _Cell:
+    words: list[Word]
+    figure: bool            # every word is a figure or a currency sign
+
+    @property
+    def x0(self) -> float:
+        return self.words[0].x0
+
+    @property
+    def x1(self) -> float:
+        return self.words[-1].x1
+
+    @property
+    def fx0(self) -> float:
+        """Left edge without the currency sign: what lines up within a column of right-aligned figures."""
+        return next((w.x0 for w in self.words if not _is_currency(w)), self.x0)
+
+    @property
+    def cx(self) -> float:
+        return (self.x0 + self.x1) / 2
+
+
+@dataclass
+class _Line:
+    row: _Row
+    cells: list[_Cell]
+    kind: str               # "data": a label then values, mostly figures; "years": a header of years; "other"
+    first: int = 0          # index of the first value cell of a data row (the cells before are its label)
+
+    @property
+    def values(self) -> list[_Cell]:
+        return self.cells[self.first:] if self.kind == "data" else []
+
+
+def _cells(words: list[Word]) -> list[_Cell]:
+    """A row's words split into cells at gaps wider than CELL_GAP em and before currency signs; a currency
+    sign joins the figure after it ("$" ... "6,779,511" is one cell)."""
+    size = sorted(w.size for w in words)[len(words) // 2]
+    groups: list[list[Word]] = []
+    for w in words:
+        if groups and not _is_currency(w) and not _is_currency(groups[-1][-1]) \
+                and w.x0 - groups[-1][-1].x1 <= CELL_GAP * size:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    cells: list[_Cell] = []
+    for g in groups:
+        figure = all(is_figure(w.text) or _is_currency(w) for w in g) and not all(_is_currency(w) for w in g)
+        if cells and all(_is_currency(w) for w in cells[-1].words) and figure:
+            cells[-1] = _Cell(cells[-1].words + g, True)
+        else:
+            cells.append(_Cell(g, figure))
+    return cells
+
+
+def _line(row: _Row) -> _Line:
+    """Classify a row: a data row is an optional text label, then value cells that start with a figure and
+    are mostly figures (a short text cell such as a date may sit among them)."""
+    cells = _cells(row.words)
+    first = next((i for i, c in enumerate(cells) if c.figure), None)
+    if first is None:
+        return _Line(row, cells, "other")
+    figures = [c for c in cells[first:] if c.figure]
+    texts = [c for c in cells[first:] if not c.figure]
+    if first == 0 and len(figures) >= 2 and all(_YEAR.match(c.words[-1].text) and len(c.words) == 1
+                                                for c in figures):
+        return _Line(row, cells, "years")
+    if len(figures) >= len(texts) and all(len(c.words) <= MAX_VALUE_WORDS for c in texts) \
+            and (first > 0 or len(figures) >= 2):
+        return _Line(row, cells, "data", first)
+    return _Line(row, cells, "other")
+
+
+def _near(a: _Row, b: _Row) -> bool:
+    return b.y0 - a.y1 <= 1.5 * max(a.y1 - a.y0, b.y1 - b.y0)
+
+
+def _columns(lines: list[_Line]) -> list[list[float]]:
+    """Value columns: the x-extents of the data rows' value cells (figures without their currency signs),
+    merged where they overlap; each is [x0, x1, leftmost x0 with currency signs, rows in it, rows with a
+    figure in it]."""
+    spans = sorted((c.fx0, c.x1, c.x0, id(line), c.figure) for line in lines for c in line.values)
+    cols: list[list] = []
+    for x0, x1, cx0, owner, figure in spans:
+        if cols and x0 < cols[-1][1]:
+            col = cols[-1]
+            col[1], col[2] = max(col[1], x1), min(col[2], cx0)
+        else:
+            col = [x0, x1, cx0, set(), set()]
+            cols.append(col)
+        col[3].add(owner)
+        if figure:
+            col[4].add(owner)
+    return [[x0, x1, cx0, len(owners), len(figures)] for x0, x1, cx0, owners, figures in cols]
+
+
+def figure_tables(words: list[Word]) -> list[PageTable]:
+    """Tables of figures drawn without rules: data rows (a label, then figures) whose value columns line up,
+    with the label-only rows between them and the header rows above them."""
+    lines = [_line(r) for r in _rows(words) if r.words]
+    tables: list[PageTable] = []
+    used: set[int] = set()
+    i = 0
+    while i < len(lines):
+        if lines[i].kind != "data":
+            i += 1
+            continue
+        block, pending = [i], []
+        values = list(lines[i].values)
+        for j in range(i + 1, len(lines)):
+            if not _near(lines[(pending or block)[-1]].row, lines[j].row):
+                break
+            if lines[j].kind == "data":
+                block += pending + [j]
+                values += lines[j].values
+                pending = []
+            elif len(pending) < MAX_LABEL_ROWS and _label_row(lines[j], values):
+                pending.append(j)
+            else:
+                break
+        table = _figure_table(lines, block, used)
+        if table is not None:
+            tables.append(table)
+        i = block[-1] + 1
+    return tables
+
+
+def _label_row(line: _Line, values: list[_Cell]) -> bool:
+    """A row inside a table that is no data row: text left of every value cell so far (a section label such
+    as "Earnings per share:"), or one figure under one of them (a value whose label wrapped)."""
+    if line.cells[-1].x1 < min(c.x0 for c in values):
+        return True
+    only = line.cells[0]
+    return len(line.cells) == 1 and only.figure and any(c.fx0 < only.x1 and only.fx0 < c.x1 for c in values)
+
+
+def _figure_table(lines: list[_Line], block: list[int], used: set[int]) -> PageTable | None:
+    """The table a block of rows makes with its header rows, or None when its figures do not line up as a
+    table does; the rows it takes (``used``) cannot serve as headers of a later table."""
+    data = [lines[k] for k in block if lines[k].kind == "data"]
+    cols = _columns(data)
+    sizes = sorted(w.size for line in data for w in line.row.words)
+    size = sizes[len(sizes) // 2]
+    # Cells outside data rows go to the column their centre falls in; columns split halfway between the
+    # extents (labels, then each value column with its currency signs).
+    labels = [c.x1 for line in data for c in line.cells[:line.first]]
+    first_x0 = cols[0][2]
+    split = (max(labels) + first_x0) / 2 if labels and max(labels) < first_x0 else first_x0 - 0.5
+    bounds = [split] + [(a[1] + b[2]) / 2 for a, b in zip(cols, cols[1:])]
+    header = _header_rows(lines, block[0], used, bounds, cols[-1][1], size)
+    header_cols = {sum(c.cx > b for b in bounds) for k in header for c in lines[k].cells} - {0}
+    multi = [line for line in data if sum(c.figure for c in line.values) >= 2]
+    pure = [line for line in multi if all(c.figure for c in line.values)]
+    supported = [c for c in cols if c[3] >= 2 and c[4] >= c[3] / 2]
+    # Two rows of figures in two shared columns; or one row of figures alone (after its label) under
+    # headers that name two of its columns ("Amortization  1,420  701  71" under "Streaming  DVD  Total").
+    if not ((len(supported) >= 2 and len(multi) >= 2)
+            or (pure and len(header_cols) >= 2)
+            or _contents_like(data, cols, size)):
+        return None
+    rows = header + block
+    used.update(rows)
+    grid: list[list[list[Word]]] = [[[] for _ in range(len(cols) + 1)] for _ in rows]
+    claimed: list[tuple[Word, int]] = []
+    for r, k in enumerate(rows):
+        line = lines[k]
+        for n, cell in enumerate(line.cells):
+            if line.kind != "data":
+                c = sum(cell.cx > b for b in bounds)
+            elif n < line.first:
+                c = 0
+            else:
+                c = 1 + max(range(len(cols)), key=lambda q: min(cols[q][1], cell.x1) - max(cols[q][0], cell.fx0))
+            grid[r][c].extend(cell.words)
+            claimed.extend((w, r) for w in cell.words)
+    keep = [c for c in range(len(cols) + 1) if any(row[c] for row in grid)]
+    texts = [[_join(row[c]) for c in keep] for row in grid]
+    return PageTable(bbox=bbox_of([w for w, _ in claimed]), rows=texts, words=claimed, ruled=False)
+
+
+def _header_rows(lines: list[_Line], first: int, used: set[int], bounds: list[float], right: float,
+                 size: float) -> list[int]:
+    """Rows just above the first data row that read as column headers: short cells over the value columns
+    ("Year ended December 31,", "2015 2014", "(in thousands)"), at most a short caption over the label
+    column. Label-only rows between them and the data ("Memberships:") come along only when headers do."""
+    out: list[int] = []
+    pending: list[int] = []
+    k, below = first - 1, first
+    while k >= 0 and k not in used and len(out) + len(pending) < MAX_HEADER_ROWS \
+            and _near(lines[k].row, lines[below].row):
+        cells = lines[k].cells
+        over = [c for c in cells if c.cx > bounds[0]]
+        under = [c for c in cells if c.cx <= bounds[0]]
+        if any(len(c.words) > MAX_HEADER_WORDS or _sentence(c) for c in cells) \
+                or max(c.x1 for c in cells) > right + 3 * size:
+            break
+        if not over:
+            if len(cells) > 1 or len(pending) >= 2 or len(cells[0].words) > MAX_HEADER_WORDS:
+                break
+            pending.insert(0, k)
+        elif len(under) > 1 or lines[k].kind == "data":
+            break
+        else:
+            out[:0] = [k] + pending
+            pending = []
+        below = k
+        k -= 1
+    return out
+
+
+def _sentence(cell: _Cell) -> bool:
+    """Three or more words ending in a full stop: a sentence of prose, not a column header."""
+    return len(cell.words) >= 3 and cell.words[-1].text.endswith(".")
+
+
+def _contents_like(data: list[_Line], cols: list[list[float]], size: float) -> bool:
+    """A contents page or index: >= MIN_TOC_ROWS rows of a label and one figure, the figures right-aligned in
+    one column, far from their labels."""
+    if len(cols) != 1 or len(data) < MIN_TOC_ROWS:
+        return False
+    ends = sorted(line.values[-1].x1 for line in data)
+    mid = ends[len(ends) // 2]
+    aligned = [line for line in data if line.first > 0 and len(line.values) == 1 and line.values[0].figure
+               and abs(line.values[0].x1 - mid) <= 0.5 * size
+               and line.values[0].x0 - line.cells[line.first - 1].x1 >= 2 * size]
+    return len(aligned) >= max(MIN_TOC_ROWS, 0.8 * len(data))
 
 
 # --- per page, and the gate report ------------------------------------------------------------------------
@@ -262,6 +535,8 @@ def find_page_tables(page: pymupdf.Page, content: PageContent, mode: TablesMode)
     tables = ruled_tables(page, words) if ran else []
     taken = {id(w) for t in tables for w, _ in t.words}
     upright = [w for block in content.blocks for line in block if line.horizontal for w in line.words]
+    tables += figure_tables([w for w in upright if id(w) not in taken])
+    taken = {id(w) for t in tables for w, _ in t.words}
     tables += unruled_tables([w for w in upright if id(w) not in taken])
     if tables:
         taken = {id(w) for t in tables for w, _ in t.words}

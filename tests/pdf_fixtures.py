@@ -162,6 +162,124 @@ def write_table_doc(folder: Path, ruled: bool = True) -> Path:
     return _save(doc, folder / ("ruled_table.pdf" if ruled else "unruled_table.pdf"), garbage=1)
 
 
+#: An unruled statement of figures: header rows over the value columns, a label column, right-aligned figures
+#: with currency signs set apart, a negative in parentheses, a dash, and a label-only row. The invented numbers
+#: are this project's own. Each row is (label, values); "" leaves a cell empty.
+FIN_HEADER = [["", "", "Year ended December 31,", ""], ["", "2016", "2015", "2014"],
+              ["", "", "(in thousands)", ""]]
+FIN_ROWS = [
+    ["Net sales", "$ 8,412,305", "$ 7,090,112", "$ 5,873,640"],
+    ["Operating income (loss)", "(12,840)", "402,118", "-"],
+    ["Earnings per share:", "", "", ""],
+    ["Basic", "$ 0.31", "$ 0.58", "$ 0.12"],
+]
+FIN_BEFORE = ("The statement below sums up three years of trading. Net sales grew by 18% in 2016, to $8.4 million "
+              "in all, while 2015 brought 402,118 of operating income.")
+FIN_AFTER = "Figures for 2014 were restated after the merger of the two trading subsidiaries."
+#: A short table under a centred caption (a sentence: it stays text): two data rows, a percentage column.
+SHORT_CAPTION = "Table 2. Research costs against net sales."
+SHORT_HEADER = ["", "2016", "2015", "Change"]
+SHORT_ROWS = [["Research costs", "$ 61,250", "$ 48,900", "25%"], ["As a share of net sales", "9%", "8%", ""]]
+CONTENTS = [("Introduction", "1"), ("Scope of the review", "3"), ("Findings by region", "7"),
+            ("Recommendations", "12"), ("Appendix: method and sources", "19")]
+#: Prose that a table detector could mistake for figures: numbers, years and money inside sentences, a
+#: numbered list, and a narrow justified column whose stretched spaces isolate words.
+PROSE_WITH_FIGURES = [
+    "In 2016 the group sold 8,412,305 units, up 18% from 7,090,112 in 2015; margins held at 9% and the "
+    "board proposed a dividend of $0.31 per share, payable on 12 May 2017 to holders of record.",
+    "1. Revenue rose in 2016 by 1,250 contracts.   2. Costs fell by (3,400) to 52,100.   3. Staff grew to 1,020.",
+]
+#: Three narrow justified columns of prose under short headings, with figures in them: stretched spaces set
+#: the first line's figure apart, level with the figures of the other columns.
+COLUMN_HEADINGS = ["Our people", "Our network", "Our sites"]
+JUSTIFIED = [
+    "Approximately 2,000 employees work in our ten countries, in 312 depots, and we run 1,480 vans that "
+    "met 98.5% of the planned routes in 2016.",
+    "Nearly 7,090,112 parcels went through the depots in the year, which is more than the old record set "
+    "in 2014, when the network was half of its size.",
+    "About 40,000 items an hour can be sorted at the new hub, and the staff of the three sites that closed "
+    "in the autumn all moved there.",
+]
+
+
+def _right(page: pymupdf.Page, x1: float, y: float, text: str, size: float = BODY, font: str = "helv") -> None:
+    """Write ``text`` with its right edge at ``x1`` (figures in statements are right-aligned)."""
+    page.insert_text((x1 - pymupdf.get_text_length(text, fontname=font, fontsize=size), y), text,
+                     fontsize=size, fontname=font)
+
+
+def _figure_row(page: pymupdf.Page, y: float, cells: list[str], ends: list[float], size: float = BODY) -> None:
+    """A label at the left margin and figures right-aligned at ``ends``, a currency sign 60 pt left of them."""
+    if cells[0]:
+        page.insert_text((72, y), cells[0], fontsize=size, fontname="helv")
+    for text, x1 in zip(cells[1:], ends):
+        if text.startswith("$ "):
+            page.insert_text((x1 - 60, y), "$", fontsize=size, fontname="helv")
+            text = text[2:]
+        if text:
+            _right(page, x1, y, text, size)
+
+
+def draw_financial_page(page: pymupdf.Page) -> None:
+    """A paragraph, an unruled statement (FIN_HEADER over FIN_ROWS), a paragraph, a caption and a short
+    two-row table."""
+    ends = [380.0, 460.0, 540.0]
+    y = _box(page, 72, 72, 540, FIN_BEFORE) + 14
+    page.insert_text((pymupdf.get_text_length(FIN_HEADER[0][2], "helv", 8) / -2 + 420, y),
+                     FIN_HEADER[0][2], fontsize=8, fontname="helv")
+    y += 12
+    for text, x1 in zip(FIN_HEADER[1][1:], ends):
+        _right(page, x1 - 8, y, text, 8, "hebo")
+    y += 11
+    page.insert_text((420 - pymupdf.get_text_length(FIN_HEADER[2][2], "helv", 8) / 2, y), FIN_HEADER[2][2],
+                     fontsize=8, fontname="helv")
+    for cells in FIN_ROWS:
+        y += 13.5
+        _figure_row(page, y, cells, ends)
+    y = _box(page, 72, y + 16, 540, FIN_AFTER) + 20
+    page.insert_text((420 - pymupdf.get_text_length(SHORT_CAPTION, "helv", 9) / 2, y), SHORT_CAPTION,
+                     fontsize=9, fontname="helv")
+    y += 13
+    for text, x1 in zip(SHORT_HEADER[1:], ends):
+        _right(page, x1, y, text, 8, "hebo")
+    for cells in SHORT_ROWS:
+        y += 13.5
+        _figure_row(page, y, cells, ends)
+
+
+def draw_contents_page(page: pymupdf.Page) -> None:
+    _box(page, 72, 72, 540, "Contents", size=HEADING_SIZES[0], font="hebo")
+    for k, (title, number) in enumerate(CONTENTS):
+        page.insert_text((90, 130 + 20 * k), title, fontsize=BODY, fontname="helv")
+        _right(page, 540, 130 + 20 * k, number)
+
+
+def draw_figure_prose_page(page: pymupdf.Page) -> None:
+    """Prose full of figures that must stay prose: see PROSE_WITH_FIGURES and JUSTIFIED."""
+    y = 72.0
+    for text in PROSE_WITH_FIGURES:
+        y = _box(page, 72, y + 8, 540, text)
+    for k, (heading, text) in enumerate(zip(COLUMN_HEADINGS, JUSTIFIED)):   # three narrow justified columns
+        page.insert_text((72 + 150 * k, y + 28), heading, fontsize=BODY, fontname="hebo")
+        rect = pymupdf.Rect(72 + 150 * k, y + 34, 72 + 150 * k + 105, y + 240)
+        page.insert_textbox(rect, text, fontsize=BODY, fontname="helv", align=pymupdf.TEXT_ALIGN_JUSTIFY)
+    for k, year in enumerate(("2014", "2015", "2016")):   # lines that start with a year in a second column
+        page.insert_text((72, y + 270 + 14 * k), f"Notes on the period under review, part {k + 1}.",
+                         fontsize=BODY, fontname="helv")
+        page.insert_text((320, y + 270 + 14 * k), f"{year} was a year of steady growth for us.",
+                         fontsize=BODY, fontname="helv")
+    page.insert_text((300, 760), "4", fontsize=9, fontname="helv")
+
+
+def write_figures_doc(folder: Path) -> Path:
+    """Page 0: the unruled statements (draw_financial_page); 1: a contents page; 2: prose full of figures."""
+    doc = pymupdf.open()
+    draw_financial_page(doc.new_page(width=612, height=792))
+    draw_contents_page(doc.new_page(width=612, height=792))
+    draw_figure_prose_page(doc.new_page(width=612, height=792))
+    return _save(doc, folder / "figures.pdf", garbage=1)
+
+
 def write_image_only(folder: Path) -> Path:
     """A scan: a text page rendered to pixels and placed as the only content of a page (no text layer)."""
     src = plain_pages(1)
@@ -298,6 +416,7 @@ def write_all(folder: Path) -> dict[str, Path]:
         "two_column": write_two_column(folder),
         "ruled_table": write_table_doc(folder, ruled=True),
         "unruled_table": write_table_doc(folder, ruled=False),
+        "figures": write_figures_doc(folder),
         "image_only": write_image_only(folder),
         "mixed_scan": write_mixed_scan(folder),
         "encrypted": write_encrypted(folder),

@@ -300,6 +300,61 @@ def test_gate_report_counts_pages(fx):
     assert (prose.find_tables_pages, prose.ruled_tables, prose.unruled_tables) == (0, 0, 0)
 
 
+def _tables_in(text: str) -> list[str]:
+    """The Markdown tables of a page's text, each as one string."""
+    return [block for block in text.split("\n\n") if block.startswith("|")]
+
+
+def test_unruled_statement_of_figures_becomes_markdown_with_its_headers(fx):
+    row = page_texts(fx["figures"], layout=True)[0]
+    text = row["text"]
+    statement, short = _tables_in(text)
+    assert statement == to_markdown(F.FIN_HEADER + F.FIN_ROWS)
+    assert short == to_markdown([F.SHORT_HEADER] + F.SHORT_ROWS)
+    # In place, between the paragraphs around it, and every word once: the prose keeps its own figures.
+    assert text.index(F.FIN_BEFORE) < text.index(statement) < text.index(F.FIN_AFTER) \
+        < text.index(F.SHORT_CAPTION) < text.index(short)
+    assert text.count("7,090,112") == 1 and text.count("402,118") == 2 and text.count("(in thousands)") == 1
+    table_words = [w["text"] for w in row["words"] if row["blocks"][w["block"]]["kind"] == "table"]
+    cells = F.FIN_HEADER + F.FIN_ROWS + [F.SHORT_HEADER] + F.SHORT_ROWS
+    assert sorted(table_words) == sorted(word for r in cells for c in r for word in c.split())
+
+
+def test_contents_page_becomes_a_table_of_titles_and_page_numbers(fx):
+    text = page_texts(fx["figures"])[1]["text"]
+    assert text.startswith("# Contents")
+    assert _tables_in(text) == [to_markdown([list(entry) for entry in F.CONTENTS])]
+
+
+def test_prose_full_of_figures_stays_prose(fx):
+    from stages.pdf_extract import extract_page
+    from stages.pdf_tables import figure_tables, unruled_tables
+
+    text = page_texts(fx["figures"])[2]["text"]
+    assert not _table_lines(text)
+    assert "8,412,305 units, up 18% from 7,090,112 in 2015" in text and "40,000 items an hour" in text
+    with pymupdf.open(fx["figures"]) as doc:
+        words = extract_page(doc[2]).words
+    assert figure_tables(words) == [] and unruled_tables(words) == []
+
+
+def test_figures_gate_report_counts_unruled_tables_without_find_tables(fx):
+    report = table_gate_report(fx["figures"].read_bytes(), "auto")
+    assert (report.pages, report.find_tables_pages, report.ruled_tables, report.unruled_tables) == (3, 0, 0, 3)
+
+
+@pytest.mark.parametrize("text, figure", [
+    ("1,234", True), ("(1,234)", True), ("$6,779", True), ("0.29", True), ("12%", True), ("(1)%", True),
+    ("—", True), ("-", True), ("4.1†", True), ("2015", True),
+    ("2016,", False), ("31,", False), ("1,23", False), ("10-Q", False), ("2015-16", False), ("Net", False),
+    ("1.", False),
+])
+def test_is_figure(text, figure):
+    from stages.pdf_tables import is_figure
+
+    assert is_figure(text) is figure
+
+
 def test_markdown_escapes_pipes_and_pads_rows():
     assert to_markdown([["a|b", "c"], ["d"]]) == "| a\\|b | c |\n| --- | --- |\n| d |  |"
 
@@ -481,6 +536,24 @@ def test_corpus_born_digital_matches_the_expected_extraction():
     assert have[:4] == ["the", "crazy", "ones", "october"]
     common = sum(min(want.count(w), have.count(w)) for w in set(want))
     assert common / len(want) >= 0.97 and len(have) <= 1.03 * len(want)
+
+
+DOCQA = ROOT.parent / "shared" / "corpus" / "docqa" / "mmlongbench_doc" / "documents"
+
+
+@pytest.mark.skipif(not DOCQA.is_dir(), reason="../shared/corpus/docqa is not here")
+@pytest.mark.corpus
+def test_corpus_statements_become_tables_and_prose_does_not():
+    def tables_per_page(path: Path) -> list[int]:
+        return [len(_tables_in(r["text"] or "")) for r in page_texts(path)]
+
+    report = tables_per_page(DOCQA / "Independents-Report.pdf")      # a survey report: prose and charts
+    assert [n for n, k in enumerate(report) if k] == [21]
+    for path in sorted((CORPUS / "born_digital").glob("*.pdf")):
+        if "lorem" not in path.name:                                    # the lorem-ipsum file holds tables
+            assert sum(tables_per_page(path)) == 0, path.name
+    tenk = tables_per_page(DOCQA / "NETFLIX_2015_10K.pdf")             # a 10-K: unruled statements
+    assert tenk[16] == 3 and tenk[23] == 2 and tenk[60] == 4 and sum(k > 0 for k in tenk) >= 35
 
 
 @corpus
