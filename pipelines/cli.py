@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -35,7 +36,7 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override STA
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # messages may hold [brackets]
     raise typer.Exit(USAGE)
 
 
@@ -72,15 +73,17 @@ def run(
     input: Annotated[list[str], typer.Option("--input", "-i", help="Files, folders, globs, Parquet/Arrow datasets.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Parquet file to write (a folder for several outputs).")],
     set_: SetOpt = None,
-    engine: Annotated[str, typer.Option(help="Executor: local.")] = "local",
+    engine: Annotated[str, typer.Option(help="Executor: local, or ray (pip install 'docfuse\\[ray]').")] = "local",
     batch_docs: Annotated[int, typer.Option(min=1, help="Documents per batch: bounds memory.")] = 8,
     cache_dir: Annotated[Path, typer.Option(help="Stage-output cache, for resuming.")] = Path(DEFAULT_CACHE),
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the stage cache.")] = False,
     column: Annotated[Optional[str], typer.Option(help="Dataset column holding paths or bytes.")] = None,
+    address: Annotated[Optional[str], typer.Option(help="Ray cluster to join with --engine ray (host:port or auto); "
+                                                   "without it a local Ray starts, sized to this machine.")] = None,
 ) -> None:
     """Run a pipeline over documents and write its output as Parquet."""
     pipe = load_pipeline(pipeline, set_)
-    report = _execute(pipe, input, output, engine, batch_docs, None if no_cache else cache_dir, column)
+    report = _execute(pipe, input, output, engine, batch_docs, None if no_cache else cache_dir, column, address)
     err.print(f"{report.rows} row(s) from {report.documents} document(s) in {report.seconds:.1f} s"
               f"{f', {report.batches_from_cache} batch(es) from cache' if report.batches_from_cache else ''}"
               f" -> {', '.join(str(p) for p in report.outputs.values())}", highlight=False)
@@ -90,24 +93,34 @@ def run(
 
 
 def _execute(pipe: Pipeline, inputs: list[str], output: Path, engine: str, batch_docs: int,
-             cache_dir: Path | None, column: str | None):
-    if engine != "local":
-        _fail(f"unknown engine '{engine}': use --engine local")
+             cache_dir: Path | None, column: str | None, address: str | None = None):
+    if engine not in ("local", "ray"):
+        _fail(f"unknown engine '{engine}': use --engine local or --engine ray")
+    if address is not None and engine != "ray":
+        _fail("--address names a Ray cluster, which only --engine ray uses")
     from pipelines.executor import LocalExecutor, StageSetupError
+    from pipelines.executor_ray import RayExecutor, RayUnavailable
 
     try:
-        executor = LocalExecutor(pipe, cache_dir=cache_dir)
+        if engine == "ray":
+            executor = RayExecutor(pipe, cache_dir=cache_dir, address=address)
+        else:
+            executor = LocalExecutor(pipe, cache_dir=cache_dir)
     except PipelineInvalid as exc:
         _report_problems(exc.problems)
         raise typer.Exit(USAGE)
+    except RayUnavailable as exc:
+        _fail(str(exc))
     try:
+        if engine == "ray":  # Ray Data draws its own per-stage progress bars, on a terminal only
+            return executor.run(inputs, output, batch_docs=batch_docs, column=column, progress=err.is_terminal)
         total = count(inputs, column)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err, disable=not err.is_terminal, transient=False) as bar:
             task = bar.add_task(pipe.name, total=total)
             return executor.run(inputs, output, batch_docs=batch_docs, column=column,
                                 on_batch=lambda n, _cached: bar.advance(task, n))
-    except (InputError, StageSetupError) as exc:
+    except (InputError, StageSetupError, RayUnavailable) as exc:
         _fail(str(exc))
 
 

@@ -6,6 +6,9 @@ good rows go to ``run``; if ``run`` raises, the batch is retried one document at
 still fail become error rows. Every stage output is cached (see cache.py), so a killed run resumes where it
 stopped, and the output file is written under a temporary name and renamed at the end, so it holds every row
 exactly once.
+
+What one stage does to one batch (cache lookup, error routing, per-document retry, conformance) lives in
+``StageStep`` and ``run_stage``, which the Ray engine (executor_ray.py) calls too, so both engines agree row for row.
 """
 
 from __future__ import annotations
@@ -51,6 +54,121 @@ class RunReport:
         return 3 if self.error_rows else 0
 
 
+#: The name under which a batch's SOURCE table travels among the stage tables.
+SOURCES = "__sources__"
+
+
+def sources_key(sources: pa.Table) -> str:
+    """The cache key of one batch of documents: their ids and read errors, so new bytes mean a new key."""
+    return stable_hash(sources.column("doc_id").to_pylist(), sources.column("error").to_pylist())
+
+
+def stage_key(stage: Stage) -> str:
+    """What identifies a configured stage in the cache: kind, version, parameters, params read, weights."""
+    return stable_hash(stage.kind, stage.version, stage.params.model_dump(mode="json"), stage.context,
+                       stage.cache_salt())
+
+
+def needed_order(pipeline: Pipeline, graph: nx.DiGraph) -> list[str]:
+    """The stages the outputs need, in topological order (a stage nothing needs is not run)."""
+    needed: set[str] = set()
+    for out in pipeline.outputs:
+        needed |= nx.ancestors(graph, out) | {out}
+    return [n for n in nx.topological_sort(graph) if n in needed]
+
+
+@dataclass
+class StageStep:
+    """One stage as every engine runs it on one batch of whole documents.
+
+    The local engine calls it for each stage of each batch; the Ray engine calls it inside the ``map_batches``
+    task or actor of its stage, so error routing, per-document retry, schema conformance and the cache behave
+    the same on both.
+    """
+
+    name: str
+    stage: Stage
+    upstream: list[str]  # stage names, or SOURCES, in port order
+    key: str  # stage_key(stage)
+
+    def batch_key(self, keys: dict[str, str]) -> str:
+        """This stage's cache key on one batch, from the keys of its inputs on that batch."""
+        return stable_hash(self.key, [keys[u] for u in self.upstream])
+
+    def __call__(self, tables: dict[str, pa.Table], keys: dict[str, str], cache: StageCache,
+                 prepare: Callable[[], None]) -> bool:
+        """Add this stage's output to ``tables`` and its key to ``keys``; True when it came from the cache.
+
+        ``prepare`` is called before the first ``run`` that has good rows (it sets the stage up, or raises
+        StageSetupError); a batch whose rows all failed upstream never loads a model.
+        """
+        keys[self.name] = self.batch_key(keys)
+        cached = cache.get(self.name, keys[self.name])
+        if cached is not None:
+            tables[self.name] = cached
+            return True
+        tables[self.name] = run_stage(self.name, self.stage, [tables[u] for u in self.upstream], prepare)
+        cache.put(self.name, keys[self.name], tables[self.name])
+        return False
+
+
+def plan_steps(pipeline: Pipeline, stages: dict[str, Stage], order: list[str]) -> list[StageStep]:
+    return [StageStep(name, stages[name], list(pipeline.stages[name].inputs) or [SOURCES], stage_key(stages[name]))
+            for name in order]
+
+
+def run_stage(name: str, stage: Stage, inputs: list[pa.Table], prepare: Callable[[], None]) -> pa.Table:
+    """Run one stage on one batch: error rows skip it (conformed by ``pass_errors``), good rows go to ``run``."""
+    schema = stage.output()
+    good = [t.filter(pc.is_null(t.column("error"))) if "error" in t.column_names else t for t in inputs]
+    bad = [t.filter(pc.is_valid(t.column("error"))) for t in inputs if "error" in t.column_names]
+    parts: list[pa.Table] = []
+    if any(t.num_rows for t in good):
+        prepare()
+        parts.append(_run_isolated(name, stage, good, schema))
+    errors = [t for t in bad if t.num_rows]
+    if errors:
+        merged = pa.concat_tables([conform(t, _common_schema(t, schema)) for t in errors], promote_options="default")
+        parts.append(conform(stage.pass_errors(merged), schema))
+    if not parts:
+        return schema.empty_table()
+    return pa.concat_tables(parts)
+
+
+def setup_stage(name: str, stage: Stage) -> None:
+    """``stage.setup()``, with a failure turned into StageSetupError (the run stops, exit code 2)."""
+    try:
+        stage.setup()
+    except Exception as exc:
+        raise StageSetupError(f"stage '{name}' ({stage.kind}) could not set up: {exc}") from exc
+
+
+def _run_isolated(name: str, stage: Stage, good: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    try:
+        return _checked_output(name, stage.run(*good), schema)
+    except Exception:  # noqa: BLE001 - retried per document below, so one bad document fails alone
+        pass
+    doc_ids = list(dict.fromkeys(d for t in good for d in t.column("doc_id").to_pylist()))
+    parts = []
+    for doc in doc_ids:
+        tables = [t.filter(pc.equal(t.column("doc_id"), doc)) for t in good]
+        try:
+            parts.append(_checked_output(name, stage.run(*tables), schema))
+        except Exception as exc:  # noqa: BLE001
+            src = next((t.column("source")[0].as_py() for t in tables if t.num_rows and "source" in t.column_names), None)
+            msg = error_value("stage_failed", f"stage '{name}' ({stage.kind}) raised {type(exc).__name__}: {exc}; "
+                              "the rest of the batch went on. Report it with this document if it is a bug")
+            row = pa.table({"doc_id": [doc], "source": [src], "error": [msg]})
+            parts.append(conform(stage.pass_errors(conform(row, _common_schema(row, schema))), schema))
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def count_rows(report: RunReport, table: pa.Table) -> None:
+    """Add one output table's rows, and its error rows, to the report."""
+    report.rows += table.num_rows
+    report.error_rows += table.num_rows - table.column("error").null_count
+
+
 class LocalExecutor:
     def __init__(self, pipeline: Pipeline, *, cache_dir: str | os.PathLike | None = None) -> None:
         checked = check(pipeline)
@@ -59,77 +177,24 @@ class LocalExecutor:
         self.pipeline = pipeline
         self.stages: dict[str, Stage] = checked.instances
         self.cache = StageCache(cache_dir)
-        needed: set[str] = set()
-        for out in pipeline.outputs:
-            needed |= nx.ancestors(checked.graph, out) | {out}
-        self.order = [n for n in nx.topological_sort(checked.graph) if n in needed]
+        self.order = needed_order(pipeline, checked.graph)
+        self.steps = plan_steps(pipeline, self.stages, self.order)
         self._ready: set[str] = set()
-        self._spec_keys = {
-            name: stable_hash(stage.kind, stage.version, stage.params.model_dump(mode="json"), stage.context,
-                              stage.cache_salt())
-            for name, stage in self.stages.items()
-        }
 
     # ---- one batch ------------------------------------------------------------------------------------------
     def run_batch(self, sources: pa.Table) -> tuple[dict[str, pa.Table], bool]:
         """Run every needed stage on one batch; returns the output tables and whether all came from cache."""
-        key = {"__sources__": stable_hash(sources.column("doc_id").to_pylist(), sources.column("error").to_pylist())}
-        tables: dict[str, pa.Table] = {}
+        keys = {SOURCES: sources_key(sources)}
+        tables: dict[str, pa.Table] = {SOURCES: sources}
         all_cached = True
-        for name in self.order:
-            spec = self.pipeline.stages[name]
-            upstream = spec.inputs or ["__sources__"]
-            key[name] = stable_hash(self._spec_keys[name], [key[u] for u in upstream])
-            cached = self.cache.get(name, key[name])
-            if cached is not None:
-                tables[name] = cached
-                continue
-            all_cached = False
-            inputs = [sources if u == "__sources__" else tables[u] for u in upstream]
-            tables[name] = self._run_stage(name, inputs)
-            self.cache.put(name, key[name], tables[name])
+        for step in self.steps:
+            all_cached &= step(tables, keys, self.cache, lambda name=step.name: self._prepare(name))
         return {out: tables[out] for out in self.pipeline.outputs}, all_cached
 
-    def _run_stage(self, name: str, inputs: list[pa.Table]) -> pa.Table:
-        stage = self.stages[name]
-        schema = stage.output()
-        good = [t.filter(pc.is_null(t.column("error"))) if "error" in t.column_names else t for t in inputs]
-        bad = [t.filter(pc.is_valid(t.column("error"))) for t in inputs if "error" in t.column_names]
-        parts: list[pa.Table] = []
-        if any(t.num_rows for t in good):
-            if name not in self._ready:
-                try:
-                    stage.setup()
-                except Exception as exc:
-                    raise StageSetupError(f"stage '{name}' ({stage.kind}) could not set up: {exc}") from exc
-                self._ready.add(name)
-            parts.append(self._run_isolated(name, stage, good, schema))
-        errors = [t for t in bad if t.num_rows]
-        if errors:
-            merged = pa.concat_tables([conform(t, _common_schema(t, schema)) for t in errors], promote_options="default")
-            parts.append(conform(stage.pass_errors(merged), schema))
-        if not parts:
-            return schema.empty_table()
-        return pa.concat_tables(parts)
-
-    def _run_isolated(self, name: str, stage: Stage, good: list[pa.Table], schema: pa.Schema) -> pa.Table:
-        try:
-            return _checked_output(name, stage.run(*good), schema)
-        except Exception:  # noqa: BLE001 - retried per document below, so one bad document fails alone
-            pass
-        doc_ids = list(dict.fromkeys(d for t in good for d in t.column("doc_id").to_pylist()))
-        parts = []
-        for doc in doc_ids:
-            tables = [t.filter(pc.equal(t.column("doc_id"), doc)) for t in good]
-            try:
-                parts.append(_checked_output(name, stage.run(*tables), schema))
-            except Exception as exc:  # noqa: BLE001
-                src = next((t.column("source")[0].as_py() for t in tables if t.num_rows and "source" in t.column_names), None)
-                msg = error_value("stage_failed", f"stage '{name}' ({stage.kind}) raised {type(exc).__name__}: {exc}; "
-                                  "the rest of the batch went on. Report it with this document if it is a bug")
-                row = pa.table({"doc_id": [doc], "source": [src], "error": [msg]})
-                parts.append(conform(stage.pass_errors(conform(row, _common_schema(row, schema))), schema))
-        return pa.concat_tables(parts) if parts else schema.empty_table()
+    def _prepare(self, name: str) -> None:
+        if name not in self._ready:
+            setup_stage(name, self.stages[name])
+            self._ready.add(name)
 
     # ---- whole run -------------------------------------------------------------------------------------------
     def run(
@@ -149,7 +214,7 @@ class LocalExecutor:
             batches = (inputs.slice(i, batch_docs) for i in range(0, inputs.num_rows, batch_docs))
         else:
             batches = read_batches(inputs, batch_docs=batch_docs, column=column)
-        sink = _Sink(self.pipeline.outputs, {o: self.stages[o].output() for o in self.pipeline.outputs}, output)
+        sink = Sink(self.pipeline.outputs, {o: self.stages[o].output() for o in self.pipeline.outputs}, output)
         try:
             for batch in batches:
                 outs, from_cache = self.run_batch(batch)
@@ -157,8 +222,7 @@ class LocalExecutor:
                 report.batches_from_cache += int(from_cache)
                 report.documents += batch.num_rows
                 for name, table in outs.items():
-                    report.rows += table.num_rows
-                    report.error_rows += table.num_rows - table.column("error").null_count
+                    count_rows(report, table)
                     sink.write(name, table)
                 if on_batch:
                     on_batch(batch.num_rows, from_cache)
@@ -184,7 +248,7 @@ def _checked_output(name: str, table: pa.Table, schema: pa.Schema) -> pa.Table:
     return conform(table, schema)
 
 
-class _Sink:
+class Sink:
     """Parquet writers (one per output) writing to temporary names, renamed on success."""
 
     def __init__(self, names: list[str], schemas: dict[str, pa.Schema], output: str | os.PathLike | None) -> None:

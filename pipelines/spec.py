@@ -17,13 +17,20 @@ import yaml
 BUILTIN_DIR = Path(__file__).parent
 
 
+#: What a stage's ``resources:`` may set, for a distributed engine: per instance (Ray task or actor) CPUs, GPUs
+#: and memory in bytes, and for model stages the actor pool's size (``n`` or ``[min, max]``).
+RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "concurrency")
+
+
 @dataclass
 class StageSpec:
-    """One node: a stage kind, the stages it reads from (in port order), and its parameters."""
+    """One node: a stage kind, the stages it reads from (in port order), its parameters, and the resources a
+    distributed engine reserves for it (overriding the stage class's ``resources``; the local engine ignores them)."""
 
     stage: str
     inputs: list[str] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"stage": self.stage}
@@ -31,7 +38,29 @@ class StageSpec:
             out["from"] = self.inputs[0] if len(self.inputs) == 1 else list(self.inputs)
         if self.params:
             out["with"] = copy.deepcopy(self.params)
+        if self.resources:
+            out["resources"] = copy.deepcopy(self.resources)
         return out
+
+
+def resource_problems(name: str, resources: Any) -> list[str]:
+    """Why a stage's ``resources:`` block is unusable, each with its fix; empty when it is fine."""
+    if not isinstance(resources, dict):
+        return [f"stage '{name}': 'resources' must be a mapping, e.g. {{num_cpus: 1, num_gpus: 1}}"]
+    problems = []
+    for key, value in resources.items():
+        if key not in RESOURCE_KEYS:
+            problems.append(f"stage '{name}': unknown resource '{key}'; allowed are {', '.join(RESOURCE_KEYS)}")
+        elif key == "concurrency":
+            sizes = value if isinstance(value, list) else [value]
+            if not (1 <= len(sizes) <= 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                                 for v in sizes) and sizes[0] <= sizes[-1]):
+                problems.append(f"stage '{name}': resources.concurrency must be a whole number of actors >= 1 or "
+                                f"[min, max] with min <= max (got {value!r})")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            unit = "bytes" if key == "memory" else "a count, fractions allowed"
+            problems.append(f"stage '{name}': resources.{key} must be a number >= 0 ({unit}); got {value!r}")
+    return problems
 
 
 @dataclass
@@ -46,12 +75,18 @@ class Pipeline:
     parse_problems: list[str] = field(default_factory=list, compare=False, repr=False)
 
     # ---- Python API -------------------------------------------------------------------------------------
-    def add(self, name: str, stage: str, *, from_: str | list[str] | None = None, **params: Any) -> "Pipeline":
-        """Add a stage; a second stage of the same name is recorded as a problem, as in YAML."""
+    def add(self, name: str, stage: str, *, from_: str | list[str] | None = None,
+            resources_: dict[str, Any] | None = None, **params: Any) -> "Pipeline":
+        """Add a stage; a second stage of the same name is recorded as a problem, as in YAML.
+
+        ``resources_`` is YAML's ``resources:`` (the trailing underscore keeps it apart from stage parameters).
+        """
         if name in self.stages:
             self.parse_problems.append(f"duplicate stage name '{name}': rename one of them")
         inputs = [] if from_ is None else ([from_] if isinstance(from_, str) else list(from_))
-        self.stages[name] = StageSpec(stage=stage, inputs=inputs, params=params)
+        resources = dict(resources_ or {})
+        self.parse_problems.extend(resource_problems(name, resources))
+        self.stages[name] = StageSpec(stage=stage, inputs=inputs, params=params, resources=resources)
         return self
 
     def set(self, dotted: str, value: Any) -> None:
@@ -88,13 +123,23 @@ class Pipeline:
         return validate(self)
 
     def run(self, inputs: Any, output: str | Path | None = None, *, engine: str = "local",
-            cache_dir: str | Path | None = None, batch_docs: int = 8, column: str | None = None) -> Any:
+            cache_dir: str | Path | None = None, batch_docs: int = 8, column: str | None = None,
+            address: str | None = None) -> Any:
         """Run over ``inputs`` (paths, globs, folders, datasets, or a SOURCE table) and return a RunReport.
 
-        With ``output`` the tables go to Parquet there; without, ``report.tables`` holds them.
+        With ``output`` the tables go to Parquet there; without, ``report.tables`` holds them. ``engine="ray"``
+        runs on Ray Data (``pip install 'docfuse[ray]'``): on the Ray cluster at ``address``, else on the Ray
+        this process already joined, else on a local Ray it starts, sized to this machine.
         """
+        if engine == "ray":
+            from pipelines.executor_ray import RayExecutor
+
+            return RayExecutor(self, cache_dir=cache_dir, address=address).run(
+                inputs, output, batch_docs=batch_docs, column=column)
         if engine != "local":
-            raise ValueError(f"engine '{engine}' is not available; use engine='local'")
+            raise ValueError(f"engine '{engine}' is not available; use engine='local' or engine='ray'")
+        if address is not None:
+            raise ValueError("address names a Ray cluster, which only engine='ray' uses")
         from pipelines.executor import LocalExecutor
 
         executor = LocalExecutor(self, cache_dir=cache_dir)
@@ -159,16 +204,21 @@ def _stage_from_dict(name: str, entry: Any, problems: list[str]) -> StageSpec:
     if not isinstance(entry, dict) or "stage" not in entry:
         problems.append(f"stage '{name}': expected a mapping with a 'stage' key, e.g. {{stage: pdf.open}}")
         return StageSpec(stage="")
-    unknown = set(entry) - {"stage", "from", "with"}
+    unknown = set(entry) - {"stage", "from", "with", "resources"}
     if unknown:
-        problems.append(f"stage '{name}': unknown key(s) {sorted(unknown)}; a stage takes stage, from, with")
+        problems.append(f"stage '{name}': unknown key(s) {sorted(unknown)}; a stage takes stage, from, with, "
+                        "resources")
     src = entry.get("from")
     inputs = [] if src is None else ([src] if isinstance(src, str) else [str(s) for s in src])
     params = entry.get("with") or {}
     if not isinstance(params, dict):
         problems.append(f"stage '{name}': 'with' must be a mapping of parameters")
         params = {}
-    return StageSpec(stage=str(entry["stage"]), inputs=inputs, params=params)
+    resources = entry.get("resources") or {}
+    problems.extend(resource_problems(name, resources))
+    if not isinstance(resources, dict):
+        resources = {}
+    return StageSpec(stage=str(entry["stage"]), inputs=inputs, params=params, resources=resources)
 
 
 def builtin_pipelines() -> dict[str, Path]:
