@@ -68,14 +68,26 @@ def default_gguf_path() -> Path:
 
 
 def configure_threads() -> int:
-    """Use no more torch threads than the cores this process may run on (containers often see the host's)."""
+    """Pick torch's CPU threads: ``DOCFUSE_THREADS`` if set, else the cores this process may run on less those
+    other processes keep busy.
+
+    Why: torch's OpenMP threads wait on each other at every op; when another process holds one of two cores, two
+    threads ran prefill 2-4x slower than one (measured on the 2-core dev machine, bench/RESULTS.md). The 1-minute
+    load average is the cheap signal for cores already busy.
+    """
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    if torch.get_num_threads() > cores:
-        torch.set_num_threads(cores)
-    return torch.get_num_threads()
+    wanted = os.environ.get("DOCFUSE_THREADS")
+    if wanted:
+        threads = max(1, int(wanted))
+    else:
+        busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        threads = max(1, min(cores, int(cores - busy + 0.5)))
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return threads
 
 
 def cpu_has_bf16() -> bool:

@@ -302,3 +302,24 @@ def test_tiered_session_with_budgets_covering_the_document_answers_like_the_plai
         session.prefill(session.fit_document(doc, questions=["What is the pass key?"], max_new_tokens=16))
         answers.append(session.ask("What is the pass key?", max_new_tokens=16).text)
     assert answers[0] == answers[1] and "58213" in answers[0]
+
+
+def test_thread_count_follows_env_and_leaves_busy_cores_alone(monkeypatch):
+    import torch
+
+    from runtime import loading
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("DOCFUSE_THREADS", "1")
+        assert loading.configure_threads() == 1 and torch.get_num_threads() == 1
+        monkeypatch.delenv("DOCFUSE_THREADS")
+        monkeypatch.setattr(loading.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+        monkeypatch.setattr(loading.os, "getloadavg", lambda: (2.2, 0.0, 0.0))
+        assert loading.configure_threads() == 2
+        monkeypatch.setattr(loading.os, "getloadavg", lambda: (0.1, 0.0, 0.0))
+        assert loading.configure_threads() == 4
+        monkeypatch.setattr(loading.os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+        assert loading.configure_threads() == 1
+    finally:
+        torch.set_num_threads(before)
