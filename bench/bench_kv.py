@@ -338,6 +338,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["accuracy", "speed"], help="run one part")
     parser.add_argument("--configs", nargs="+", help="subset of configurations (names as in CONFIGS)")
     parser.add_argument("--sizes", type=int, nargs="+", help="only cases of these nominal sizes (e.g. 8192)")
+    parser.add_argument("--threads", type=int, help="torch threads for the accuracy part (default: what "
+                        "runtime.loading.configure_threads picks from the load average; recorded in the result)")
     parser.add_argument("--cases", nargs="+", help="only these case ids (e.g. s8k-03 m8k-00)")
     args = parser.parse_args()
     plan = QUICK_PLAN if args.quick else FULL_PLAN
@@ -353,12 +355,14 @@ def main() -> None:
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
 
     model, tokenizer = load_model("default")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompt = Session(model, tokenizer).prompt
     limit = session_module.context_limit(model)
     with_essays = kv_cases.essays_available()
     if not with_essays:
         log(f"essays not found at {kv_cases.ESSAYS}: natural-text haystacks skipped, synthetic only")
-    meta = {"command": ".venv/bin/python bench/bench_kv.py " + " ".join(sys.argv[1:]), "machine": machine(),
+    meta = {"command": " ".join([".venv/bin/python bench/bench_kv.py", *sys.argv[1:]]), "machine": machine(),
             "started": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(model.dtype), "max_new_tokens": MAX_NEW_TOKENS, "configs": configs, "plan": plan,
             "essays": with_essays, "load_at_start": os.getloadavg()}

@@ -66,6 +66,10 @@ class SnapKVLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def maybe_retier(self) -> bool:
+        """Sessions call this between decode steps; eviction never re-tiers."""
+        return False
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count, or use rollback(length)")
