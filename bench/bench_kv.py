@@ -43,19 +43,26 @@ MAX_NEW_TOKENS = 16  # the value comes within the first sentence of a right answ
 SPEED_NEW_TOKENS = 40  # 39 timed decode steps
 TARGET = "tiered 10%/25% 4-bit"
 SNAP = "SnapKV @ target bytes"
+PAGES = "tiered 10%/25% 4-bit, page scoring"
 CONFIGS: dict[str, Any] = {
     "full": None,
     TARGET: {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4},
+    PAGES: {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "scoring": "pages"},
     "tiered 5%/15% 4-bit": {"core_tokens": 0.05, "association_tokens": 0.15, "association_bits": 4},
     "tiered 10%/25% 2-bit": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 2},
     SNAP: "snapkv",
 }
 #: Selectable with --configs, not in the default run.
 EXTRA_CONFIGS: dict[str, Any] = {
+    "tiered 10%/25% 8-bit": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 8},
+    "tiered 10%/25% 4-bit r16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                 "recent_tokens": 16},
+    "tiered 10%/25% 4-bit diff": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                  "differential": True},
     "tiered 10%/25% 4-bit p16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
                                  "page_tokens": 16},
 }
-SHORT = ("full", "t10/25", "t5/15", "t2bit", "snap")  # progress-line labels, in CONFIGS order
+SHORT = ("full", "t10/25", "pages", "t5/15", "t2bit", "snap")  # progress-line labels, in CONFIGS order
 FULL_PLAN = {"single": {1024: 8, 2048: 8, 4096: 12, 8192: 12}, "multi": {4096: 5, 8192: 5}}
 QUICK_PLAN = {"single": {1024: 2, 2048: 1}, "multi": {2048: 1}}
 #: (threads, prompt sizes, runs per config): 2 threads at 4K and 8K best of 3; 1 thread (steadier on a shared

@@ -270,20 +270,30 @@ def test_retier_for_second_question_moves_pages_without_prefill() -> None:
         assert torch.equal(layer.values[:, :, : layer.n_core], v.gather(2, pos[..., None].expand(-1, -1, -1, 16)))
 
 
-def test_rollback_serves_many_questions_from_one_prefill() -> None:
+@pytest.mark.parametrize("scoring", ["pages", "tokens"])
+def test_rollback_serves_many_questions_from_one_prefill(scoring: str) -> None:
     model = tiny_model()
     doc, question = ids(180), ids(12, seed=7)
-    cache = TieredCache(model.config, small())
+    cache = TieredCache(model.config, small(scoring=scoring))
     run(model, cache, doc)
     prepare_question(model, cache, question)
     assert cache.get_seq_length() == 180
+    tiers = [cache.membership(i).clone() for i in range(len(cache.layers))]
     first = run(model, cache, question)
     decoded = [run(model, cache, ids(1, seed=s)) for s in range(5)]
     assert cache.get_seq_length() == 197 and decoded[-1].shape == (1, 1, 256)
     cache.rollback(180)
     prepare_question(model, cache, question)
     again = run(model, cache, question)
-    assert torch.equal(first, again)  # same question after rollback: same tiers, same answer
+    if scoring == "pages":  # page summaries do not depend on the tiers: same tiers, same answer
+        assert torch.equal(first, again)
+    else:
+        # Token votes see the keys of the current tiers (association codes instead of exact keys) and the queries
+        # were recorded over them: the core may move a little, the answer barely.
+        for i, before in enumerate(tiers):
+            core_before, core_now = before == 0, cache.membership(i)[:, :, :180] == 0
+            assert (core_before & core_now).sum() >= 0.9 * core_before.sum()
+        assert torch.allclose(first, again, atol=0.05)
 
 
 def test_rollback_rebalances_when_heads_lost_different_tiers() -> None:
@@ -390,7 +400,7 @@ def test_config_accepts_counts_fractions_and_auto() -> None:
 
 
 def test_explicit_page_spans_drive_selection() -> None:
-    kv = small(core_tokens=12 + 30, association_tokens=0, page_tokens=64)
+    kv = small(core_tokens=12 + 30, association_tokens=0, page_tokens=64, scoring="pages")
     cache, _ = synthetic_cache(kv, length=200)
     for layer in cache.layers:  # the span 50..80 leans on channel 3
         layer.keys[:, :, 50:80, 3] += 6.0

@@ -33,6 +33,11 @@ class KVConfig(BaseModel):
     background: Literal["lz4"] | None = "lz4"
     retier_every: int | None = None
     query_tokens: int = 64
+    #: ``tokens``: rank single tokens by the question's attention over the keys the device holds, plus background
+    #: pages the summaries nominate (runtime.kv.votes); ``pages``: rank whole pages by their summaries alone.
+    scoring: Literal["tokens", "pages"] = "tokens"
+    #: Background tokens per head whose pages the summaries nominate for exact scoring at a re-tier (count or fraction).
+    candidate_tokens: int | float = 0.25
 
     @field_validator("association_bits", mode="before")
     @classmethod
@@ -41,7 +46,7 @@ class KVConfig(BaseModel):
             raise ValueError(f"association_bits must be 2, 4 or 8, got {value!r}; set association_bits: 4")
         return value
 
-    @field_validator("core_tokens", "association_tokens", mode="before")
+    @field_validator("core_tokens", "association_tokens", "candidate_tokens", mode="before")
     @classmethod
     def _budget(cls, value: object, info) -> object:
         name = info.field_name

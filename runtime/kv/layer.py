@@ -20,6 +20,7 @@ from runtime.kv.association import AssociationStore
 from runtime.kv.background import ExactArchive
 from runtime.kv.config import KVConfig
 from runtime.kv.summaries import group_queries, page_minmax, page_scores
+from runtime.kv.votes import nominate, token_votes
 
 ARCHIVE_BLOCK = 256
 
@@ -189,8 +190,12 @@ class TieredLayer(CacheLayerMixin):
         self.archive.append(self.keys[:, :, : self.n_core].gather(2, gather),
                             self.values[:, :, : self.n_core].gather(2, gather))
 
-    def _materialize(self, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-length exact K/V [B, H, length, D]; only positions where ``wanted`` [B, H, length] is set are filled."""
+    def _materialize(self, wanted: torch.Tensor, with_filled: bool = False):
+        """Full-length exact K/V [B, H, length, D]; only positions where ``wanted`` [B, H, length] is set are filled.
+
+        ``with_filled`` also returns the host mask [B, H, length] of every position filled exactly (core tokens and
+        whole archive blocks read), a superset of ``wanted``.
+        """
         b, h, _ = wanted.shape
         d = self.keys.shape[-1]
         # One spare slot absorbs core entries beyond ``length`` (only present in the middle of a rollback).
@@ -205,6 +210,7 @@ class TieredLayer(CacheLayerMixin):
             full_v.scatter_(2, idx, self.values[:, :, : self.n_core])
         full_k, full_v, in_core = full_k[:, :, :-1], full_v[:, :, :-1], in_core[:, :, :-1]
         missing = (wanted & ~in_core).any(dim=1).any(dim=0).nonzero().flatten()
+        filled = in_core
         if len(missing):
             if int(missing.max()) >= self.archive.length:
                 raise RuntimeError("tiered cache invariant broken: a non-core token is not archived")
@@ -212,7 +218,8 @@ class TieredLayer(CacheLayerMixin):
                 start, end, k, v = self.archive.read(block)
                 full_k[:, :, start:end] = k.to(self.device)
                 full_v[:, :, start:end] = v.to(self.device)
-        return full_k, full_v
+                filled[:, :, start:end] = True
+        return (full_k, full_v, filled) if with_filled else (full_k, full_v)
 
     # ---- summaries and scoring -----------------------------------------------------------------------------------
     def refresh_summaries(self, starts: list[int], page_ids: torch.Tensor) -> None:
@@ -233,12 +240,50 @@ class TieredLayer(CacheLayerMixin):
 
     def scores(self, queries: torch.Tensor | None, kv_heads: int, reduce: str) -> torch.Tensor:
         """Page relevance [B, H, pages] from grouped queries, or from the newest core keys when none were recorded."""
+        return page_scores(self._grouped(queries, kv_heads), self.kmin, self.kmax, reduce)
+
+    def vote_priority(self, queries: torch.Tensor | None, kv_heads: int, page_ids: torch.Tensor,
+                      candidates: int, reduce: str) -> torch.Tensor:
+        """Token priority [B, H, length] (host, float64) from the question's attention over the keys it can see.
+
+        Known keys: the core (exact), the association tier (dequantised codes), and the ``candidates`` background
+        tokens per head whose pages the summaries rank highest, promoted exactly from the archive (whole archive
+        blocks are read, and every exact key read is used). Tokens with no vote are ordered by their page score below
+        every voted token, so the summaries still decide among them.
+        """
+        b, h = self.core_pos.shape[:2]
+        tier = self.membership()
+        grouped = self._grouped(queries, kv_heads)
+        page_score = page_scores(grouped, self.kmin, self.kmax, reduce).cpu()
+        page_score = page_score.gather(2, page_ids.expand(b, h, -1))
+        wanted = tier == 0
+        if candidates > 0:
+            wanted |= nominate(page_score, tier == 2, candidates)
+        full_k, _, filled = self._materialize(wanted, with_filled=True)
+        known = filled
+        if self.n_assoc:
+            fresh = ~filled.gather(2, self.assoc_pos)  # association tokens with no exact key read
+            if fresh.any():
+                assoc_k = self.assoc.keys.dequantize(full_k.dtype)
+                if self.assoc.anchor_index is not None:
+                    assoc_k = self.assoc.dequantize(full_k.dtype)[0]
+                idx = _expand(self.assoc_pos, full_k.shape[-1], self.device)
+                current = full_k.gather(2, idx)
+                mixed = torch.where(fresh.to(self.device).unsqueeze(-1), assoc_k, current)
+                full_k.scatter_(2, idx, mixed)
+                known = filled.clone().scatter_(2, self.assoc_pos, True)
+        votes = token_votes(grouped, full_k, known.to(self.device)).cpu().double()
+        # Unvoted tokens: below every vote (votes are >= 0), ordered by page score.
+        rank = torch.argsort(torch.argsort(page_score.double(), dim=-1), dim=-1).double()
+        fallback = -2.0 + rank / max(1, self.length)
+        return torch.where(votes > 0, votes, fallback)
+
+    def _grouped(self, queries: torch.Tensor | None, kv_heads: int) -> torch.Tensor:
+        """Queries grouped per KV head [B, H, M, D]; without recorded queries the newest core keys stand in."""
         if queries is None:
             m = min(self.kv.query_tokens, self.n_core)
-            grouped = self.keys[:, :, self.n_core - m: self.n_core]
-        else:
-            grouped = group_queries(queries, kv_heads)
-        return page_scores(grouped, self.kmin, self.kmax, reduce)
+            return self.keys[:, :, self.n_core - m: self.n_core]
+        return group_queries(queries, kv_heads)
 
     # ---- re-tiering ----------------------------------------------------------------------------------------------
     def rebuild(self, priority: torch.Tensor, core: int, assoc: int, page_ids: torch.Tensor) -> None:

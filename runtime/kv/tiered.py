@@ -101,6 +101,7 @@ class TieredCache(Cache):
         core, assoc = self.budgets(length)
         starts = self.pages.starts(length)
         page_ids = self.pages.page_ids(length)
+        candidates = resolve_budget(self.kv.candidate_tokens, length)
         forced = torch.zeros(length, dtype=torch.bool)
         forced[: self.kv.sink_tokens] = True
         forced[max(0, length - self.kv.recent_tokens):] = True
@@ -110,8 +111,11 @@ class TieredCache(Cache):
             layer._archive_all()
             layer.refresh_summaries(starts, page_ids)
             q = queries[i] if queries is not None else layer.queries
-            page_score = layer.scores(q, self.kv_heads, SCORE_REDUCE).cpu()
-            priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
+            if self.kv.scoring == "tokens":
+                priority = layer.vote_priority(q, self.kv_heads, page_ids, candidates, SCORE_REDUCE)
+            else:
+                page_score = layer.scores(q, self.kv_heads, SCORE_REDUCE).cpu()
+                priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
             priority[:, :, forced] = float("inf")
             layer.rebuild(priority, core, assoc, page_ids)
         self.retiered_at = length

@@ -1,0 +1,51 @@
+"""Token-level relevance for a question: the attention mass its queries give each cached token whose key is known.
+
+Page summaries (``summaries.py``) bound ``q . k`` over a page, but on a small model those bounds are loose enough
+that ranking pages by them misses the needle often (bench/RESULTS.md, issue 3). Votes score single tokens with the
+keys the device already holds: exact core keys, the association tier's dequantised codes, and exact keys of the
+background pages the summaries nominate (promoted from the host archive). Every query spreads one unit of softmax mass
+over the known tokens, so tokens the question really reads rise, whatever the queries' norms; an average pool keeps
+the neighbours of a hit (the digits after "pass key is"), as SnapKV does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+#: Width of the average pool over votes (odd: centred).
+POOL_KERNEL = 7
+
+
+def token_votes(grouped: torch.Tensor, keys: torch.Tensor, known: torch.Tensor,
+                kernel: int = POOL_KERNEL) -> torch.Tensor:
+    """Pooled attention mass [B, H, T] (float32) of ``grouped`` queries [B, H, M, D] over ``keys`` [B, H, T, D].
+
+    ``known`` [B, H, T] (bool, same device as ``keys``) marks the tokens whose key is meaningful; the others get no
+    direct mass (only what the pool spreads from a known neighbour). Queries come after every cached token, so no
+    causal mask is needed.
+    """
+    logits = grouped.to(keys.dtype) @ keys.transpose(-1, -2)
+    logits = logits.float() / math.sqrt(keys.shape[-1])
+    logits = logits.masked_fill(~known.unsqueeze(2), -math.inf)
+    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)
+    if kernel > 1 and mass.shape[-1] >= kernel:
+        mass = F.avg_pool1d(mass, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    return mass
+
+
+def nominate(page_score: torch.Tensor, eligible: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` eligible positions per head with the highest page score (whole pages first, earlier first).
+
+    ``page_score`` [B, H, T] is each position's page score, ``eligible`` [B, H, T] the positions that may be
+    nominated (the background); returns a bool mask [B, H, T] on the host.
+    """
+    count = min(count, int(eligible.sum(dim=-1).min()))
+    out = torch.zeros_like(eligible)
+    if count <= 0:
+        return out
+    score = page_score.double().masked_fill(~eligible, -math.inf)
+    order = torch.sort(-score, dim=-1, stable=True).indices[..., :count]
+    return out.scatter_(2, order, True)
