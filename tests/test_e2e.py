@@ -22,7 +22,10 @@ QA_COLUMNS = ["doc_id", "source", "question", "answer", "prompt_tokens", "ttft_s
 
 
 def docfuse(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([DOCFUSE, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    # Greedy answers of a bf16 model depend on torch's thread count (it splits the reductions); docfuse picks the
+    # count from the load average, so pin it: the answers checked below must not change with what else runs.
+    env = {**os.environ, "DOCFUSE_THREADS": os.environ.get("DOCFUSE_THREADS", "2")}
+    return subprocess.run([DOCFUSE, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")

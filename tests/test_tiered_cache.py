@@ -18,6 +18,7 @@ from runtime.kv.background import ExactArchive, pack_exact, unpack_exact
 from runtime.kv.quant import pack_codes, quantize_keys, quantize_values, unpack_codes
 from runtime.kv.summaries import PageTable, page_minmax, upper_bounds
 from runtime.kv.tiered import RetierOnSchedule
+from runtime.kv.votes import nominate, token_votes
 
 IMPLS = ["eager", "sdpa"]
 
@@ -385,6 +386,8 @@ def test_accounting_and_auto_budget() -> None:
     ({"retier_every": 0}, "retier_every"),
     ({"background": "zstd"}, "background"),
     ({"core_tokens": "lots"}, "core_tokens"),
+    ({"scoring": "attention"}, "scoring"),
+    ({"candidate_tokens": -3}, "candidate_tokens"),
 ])
 def test_config_errors_name_the_key(bad: dict, key: str) -> None:
     with pytest.raises(ValidationError) as err:
@@ -462,3 +465,52 @@ def test_real_model_full_budget_identical(impl: str, real_model) -> None:
     tight.retier()
     assert tight.device_bytes() < 0.5 * tight.full_bytes()
     assert torch.isfinite(run(model, tight, tokens[:, n - 3:])).all()
+
+
+# ---- token votes ---------------------------------------------------------------------------------------------------
+def test_token_votes_follow_attention_and_ignore_unknown_keys() -> None:
+    keys = torch.randn(1, 1, 40, 8) * 0.1
+    keys[0, 0, 20, 0] = 5.0  # the token the query reads
+    keys[0, 0, 30, 0] = 9.0  # would win, but its key is not known
+    known = torch.ones(1, 1, 40, dtype=torch.bool)
+    known[0, 0, 30] = False
+    q = torch.zeros(1, 1, 2, 8)
+    q[..., 0] = 4.0
+    raw = token_votes(q, keys, known, kernel=1)
+    assert int(raw.argmax()) == 20 and raw[0, 0, 30] == 0
+    assert torch.allclose(raw.sum(), torch.tensor(2.0))  # each query spreads one unit of mass
+    pooled = token_votes(q, keys, known, kernel=7)
+    assert pooled[0, 0, 17:24].min() > pooled[0, 0, 5]  # neighbours of the hit rise with it
+
+
+def test_nominate_takes_best_pages_among_eligible_only() -> None:
+    score = torch.tensor([[[5.0, 5.0, 1.0, 1.0, 9.0, 9.0, 3.0, 3.0]]])
+    eligible = torch.tensor([[[True, True, True, True, False, False, True, True]]])
+    assert nominate(score, eligible, 4).nonzero()[:, 2].tolist() == [0, 1, 6, 7]
+    assert nominate(score, eligible, 99).sum() == 6  # capped at what is eligible
+    assert not nominate(score, eligible, 0).any()
+
+
+def _diluted_page_cache(scoring: str) -> TieredCache:
+    """Page 2 (32..47) has one big channel per token (loose bound, small dot products); token 90 matches the query
+    on all four channels (tight bound, the real winner)."""
+    kv = small(core_tokens=4 + 8 + 16, association_tokens=0, page_tokens=16, scoring=scoring)
+    cache, _ = synthetic_cache(kv, length=160)
+    for layer in cache.layers:
+        layer.keys[:, :, :, :4] *= 0.05
+        for i in range(32, 48):
+            layer.keys[:, :, i, i % 4] = 6.0
+        layer.keys[:, :, 90, :4] = 4.0
+    return cache
+
+
+def test_token_scoring_finds_the_token_a_loose_page_bound_hides() -> None:
+    q = torch.zeros(1, 4, 1, 16)
+    q[..., :4] = 3.0
+    pages, tokens = _diluted_page_cache("pages"), _diluted_page_cache("tokens")
+    pages.retier([q for _ in pages.layers])
+    tokens.retier([q for _ in tokens.layers])
+    page_core, token_core = pages.membership(0) == 0, tokens.membership(0) == 0
+    assert page_core[:, :, 32:48].all() and not page_core[:, :, 90].any()  # the bound picked the diluted page
+    assert token_core[:, :, 90].all()  # the votes picked the real match
+    assert tokens.tier_tokens() == pages.tier_tokens()  # same budgets either way

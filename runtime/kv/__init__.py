@@ -1,5 +1,8 @@
 """Tiered KV cache: exact core, low-bit association and LZ4 background tiers, re-tiered per question.
 
+Each re-tier ranks tokens by the question's attention over the keys the device holds (``votes.py``); background pages
+take part when their key summaries (``summaries.py``) nominate them, so nothing is decompressed to rank a page.
+
 Typical use (one prefill, many questions)::
 
     cache = TieredCache(model.config, {"core_tokens": 0.1, "association_tokens": 0.25})
