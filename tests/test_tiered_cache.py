@@ -514,3 +514,17 @@ def test_token_scoring_finds_the_token_a_loose_page_bound_hides() -> None:
     assert page_core[:, :, 32:48].all() and not page_core[:, :, 90].any()  # the bound picked the diluted page
     assert token_core[:, :, 90].all()  # the votes picked the real match
     assert tokens.tier_tokens() == pages.tier_tokens()  # same budgets either way
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("length", [5, 64, 77])
+def test_dequantize_into_a_buffer_view_matches_dequantize(bits: int, length: int) -> None:
+    x = torch.randn(1, 3, length, 64) * 3
+    for q in (quantize_keys(x, bits, 32), quantize_values(x, bits)):
+        want = q.dequantize(torch.float32)
+        buf = torch.full((1, 3, length + 9, 64), float("nan"))
+        q.dequantize_into(buf[:, :, :length])
+        assert torch.equal(buf[:, :, :length], want) and buf[:, :, length:].isnan().all()  # exact, and in place
+        low = torch.empty(1, 3, length, 64, dtype=torch.bfloat16)
+        q.dequantize_into(low)  # fp32 multiply-add, one rounding to bf16
+        assert torch.equal(low, want.to(torch.bfloat16))

@@ -64,6 +64,14 @@ class AssociationStore:
             v = v + _gather_anchor(self.anchor_v, self.anchor_index).to(dtype)
         return k, v
 
+    def dequantize_into(self, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Reconstruct keys and values into the views ``k_out``/``v_out`` [B, H, T, D] (decode path)."""
+        self.keys.dequantize_into(k_out)
+        self.values.dequantize_into(v_out)
+        if self.anchor_index is not None:
+            k_out += _gather_anchor(self.anchor_k, self.anchor_index).to(k_out.dtype)
+            v_out += _gather_anchor(self.anchor_v, self.anchor_index).to(v_out.dtype)
+
     def nbytes(self) -> int:
         """Device bytes: codes, scales, zeros and (differential) anchors with their per-token index."""
         extra = [t for t in (self.anchor_k, self.anchor_v, self.anchor_index) if t is not None]

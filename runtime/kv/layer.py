@@ -81,8 +81,14 @@ class TieredLayer(CacheLayerMixin):
         core_k, core_v = self.keys[:, :, : self.n_core], self.values[:, :, : self.n_core]
         if self.n_assoc == 0:
             return core_k, core_v
-        assoc_k, assoc_v = self.assoc.dequantize(self.dtype)
-        return torch.cat([assoc_k, core_k], dim=2), torch.cat([assoc_v, core_v], dim=2)
+        # One buffer [association | core]: the codes are expanded straight into its front, the core copied behind.
+        a = self.n_assoc
+        b, h, c, d = core_k.shape
+        out_k, out_v = core_k.new_empty(b, h, a + c, d), core_v.new_empty(b, h, a + c, d)
+        self.assoc.dequantize_into(out_k[:, :, :a], out_v[:, :, :a])
+        out_k[:, :, a:].copy_(core_k)
+        out_v[:, :, a:].copy_(core_v)
+        return out_k, out_v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.active + query_length, self.length - self.active

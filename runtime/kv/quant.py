@@ -28,9 +28,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: uint8 codes, last axis ``8 // bits`` times longer."""
     if bits == 8:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+    mask = (1 << bits) - 1
+    parts = [packed & mask] + [(packed >> shift) & mask for shift in range(bits, 8, bits)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 _LUTS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -81,6 +81,33 @@ class Quantized:
     def nbytes(self) -> int:
         """Device bytes of codes, scales and zeros."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Reconstruct into ``out`` [B, H, T, D] (a view is fine, e.g. the front of attention's K buffer).
+
+        The decode path: each bit plane of the packed bytes holds every ``8 // bits``-th channel, so one shift-and-mask
+        per plane and one fused multiply-add straight into that plane's channels of ``out``; no unpacked copy and no
+        concatenation after. The multiply-add runs in fp32 and rounds once into ``out``.
+        """
+        b, h, _, d = out.shape
+        n, g, per = self.length, self.group, 8 // self.bits
+        mask = (1 << self.bits) - 1
+        scale, zero = self.scale.float(), self.zero.float()
+        full = n // g if self.per_channel else 0
+        for j in range(per):
+            plane = self.codes if per == 1 else (self.codes >> (j * self.bits)) & mask  # [B, H, T_pad, D / per]
+            if not self.per_channel:
+                torch.addcmul(zero, plane[:, :, :n].view(b, h, n, d // g, g // per), scale,
+                              out=out.view(b, h, n, d // g, g)[..., j::per])
+                continue
+            grouped = plane.view(b, h, -1, g, d // per)
+            if full:
+                torch.addcmul(zero[:, :, :full, :, j::per], grouped[:, :, :full], scale[:, :, :full, :, j::per],
+                              out=out[:, :, : full * g].view(b, h, full, g, d)[..., j::per])
+            if n > full * g:
+                torch.addcmul(zero[:, :, full, :, j::per], grouped[:, :, full, : n - full * g],
+                              scale[:, :, full, :, j::per], out=out[:, :, full * g: n, j::per])
+        return out
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """Reconstruct the ``[B, H, T, D]`` tensor in ``dtype``."""
