@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from runtime.kv.config import resolve_budget
+from runtime.kv.summaries import group_queries
+from runtime.kv.votes import token_votes
 
 
 class SnapKVLayer(CacheLayerMixin):
@@ -113,16 +114,10 @@ class SnapKVLayer(CacheLayerMixin):
 
     def votes(self, queries: torch.Tensor, query_pos: torch.Tensor, kernel: int) -> torch.Tensor:
         """Pooled attention mass [B, H, n] the observation queries give each kept token (causal)."""
-        b, hq, t, d = queries.shape
-        h = self.keys.shape[1]
-        grouped = queries.to(self.dtype).reshape(b, h, (hq // h) * t, d)
-        logits = grouped @ self.keys.transpose(-1, -2) / math.sqrt(d)
-        qpos = query_pos.repeat(hq // h).to(self.device).view(1, 1, -1, 1)
-        logits = logits.masked_fill(self.positions.to(self.device).unsqueeze(2) > qpos, -math.inf)
-        mass = torch.softmax(logits.float(), dim=-1).sum(dim=2)
-        if kernel > 1 and mass.shape[-1] >= kernel:
-            mass = F.avg_pool1d(mass, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-        return mass
+        hq, h = queries.shape[1], self.keys.shape[1]
+        qpos = query_pos.repeat(hq // h).to(self.device).view(1, 1, -1, 1)  # the order group_queries lays out
+        causal = self.positions.to(self.device).unsqueeze(2) <= qpos
+        return token_votes(group_queries(queries, h), self.keys, causal, kernel)
 
     def evict(self, keep_idx: torch.Tensor) -> None:
         """Keep the entries ``keep_idx`` [B, H, k] (ascending)."""

@@ -270,15 +270,16 @@ class TieredLayer(CacheLayerMixin):
         if self.n_assoc:
             fresh = ~filled.gather(2, self.assoc_pos)  # association tokens with no exact key read
             if fresh.any():
-                assoc_k = self.assoc.keys.dequantize(full_k.dtype)
-                if self.assoc.anchor_index is not None:
+                if self.assoc.anchor_index is None:
+                    assoc_k = self.assoc.keys.dequantize(full_k.dtype)
+                else:  # residuals to page anchors: only the store adds the anchors back
                     assoc_k = self.assoc.dequantize(full_k.dtype)[0]
                 idx = _expand(self.assoc_pos, full_k.shape[-1], self.device)
                 current = full_k.gather(2, idx)
                 mixed = torch.where(fresh.to(self.device).unsqueeze(-1), assoc_k, current)
                 full_k.scatter_(2, idx, mixed)
                 known = filled.clone().scatter_(2, self.assoc_pos, True)
-        votes = token_votes(grouped, full_k, known.to(self.device)).cpu().double()
+        votes = token_votes(grouped, full_k, known.to(self.device).unsqueeze(2)).cpu().double()
         # Unvoted tokens: below every vote (votes are >= 0), ordered by page score.
         rank = torch.argsort(torch.argsort(page_score.double(), dim=-1), dim=-1).double()
         fallback = -2.0 + rank / max(1, self.length)

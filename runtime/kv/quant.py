@@ -28,9 +28,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: uint8 codes, last axis ``8 // bits`` times longer."""
     if bits == 8:
         return packed
-    mask = (1 << bits) - 1
-    parts = [packed & mask] + [(packed >> shift) & mask for shift in range(bits, 8, bits)]
-    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 _LUTS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}

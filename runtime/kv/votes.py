@@ -19,17 +19,19 @@ import torch.nn.functional as F
 POOL_KERNEL = 7
 
 
-def token_votes(grouped: torch.Tensor, keys: torch.Tensor, known: torch.Tensor,
+def token_votes(grouped: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                 kernel: int = POOL_KERNEL) -> torch.Tensor:
     """Pooled attention mass [B, H, T] (float32) of ``grouped`` queries [B, H, M, D] over ``keys`` [B, H, T, D].
 
-    ``known`` [B, H, T] (bool, same device as ``keys``) marks the tokens whose key is meaningful; the others get no
-    direct mass (only what the pool spreads from a known neighbour). Queries come after every cached token, so no
-    causal mask is needed.
+    ``visible`` (bool, on the keys' device) says which keys each query may read: [B, H, T] for the same tokens for
+    every query (the tiered cache: the tokens whose key is known), or anything broadcastable to [B, H, M, T] (SnapKV:
+    a causal mask). Hidden tokens get no direct mass, only what the pool spreads from a visible neighbour.
     """
+    if visible.dim() == 3:
+        visible = visible.unsqueeze(2)
     logits = grouped.to(keys.dtype) @ keys.transpose(-1, -2)
     logits = logits.float() / math.sqrt(keys.shape[-1])
-    logits = logits.masked_fill(~known.unsqueeze(2), -math.inf)
+    logits = logits.masked_fill(~visible, -math.inf)
     mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)
     if kernel > 1 and mass.shape[-1] >= kernel:
         mass = F.avg_pool1d(mass, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
