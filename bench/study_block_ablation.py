@@ -13,7 +13,10 @@ the skipped positions' changed K/V through deeper layers), so these figures are 
 
     .venv/bin/python bench/study_block_ablation.py [--windows 4 --tokens 512]
 
-Writes bench/results/block_ablation.json.
+Writes bench/results/block_ablation.json. ``--oracle`` instead bounds what any per-token decision head can reach in
+decode: at each greedy decode step (dense history in the cache), every block is skipped alone at that step only, then
+the blocks are skipped together in the order of their cost at that step, for as many as keep the dense top-1 token
+and stay under 0.05 nats (bisection). Writes bench/results/block_oracle.json.
 """
 
 from __future__ import annotations
@@ -76,11 +79,64 @@ def compare(dense: torch.Tensor, other: torch.Tensor) -> tuple[float, float, tor
     return agree, kl.mean().item(), kl
 
 
+@torch.no_grad()
+def step_log_probs(model, cache, token: torch.Tensor) -> torch.Tensor:
+    """One decode step on ``cache``; the cache is cropped back afterwards so every trial sees the same history."""
+    length = cache.get_seq_length()
+    out = model(input_ids=token.view(1, 1), cache=cache, use_cache=True).logits[0, -1].float()
+    cache.crop(-1)  # transformers 5.x: a negative count removes that many tokens from the end
+    if cache.get_seq_length() != length:
+        raise RuntimeError("the cache did not roll back; the trials would not share one history")
+    return F.log_softmax(out, dim=-1)
+
+
+def oracle(model, skipper: Skipper, prompts: list[torch.Tensor], steps: int, kl_limit: float = 0.05) -> dict:
+    """Per decode step: how many blocks can be skipped at that step alone and keep top-1 and KL < ``kl_limit``."""
+    from transformers import DynamicCache
+
+    blocks = [(kind, i) for i in range(model.config.num_hidden_layers) for kind in ("attn", "mlp")]
+    per_step = []
+    for prompt in prompts:
+        cache = DynamicCache()
+        with torch.no_grad():
+            logits = model(input_ids=prompt.unsqueeze(0), cache=cache, use_cache=True).logits[0, -1]
+        token = logits.argmax()
+        for _ in range(steps):
+            skipper.skip = set()
+            dense = step_log_probs(model, cache, token)
+            costs = []
+            for block in blocks:
+                skipper.skip = {block}
+                costs.append(compare(dense[None], step_log_probs(model, cache, token)[None])[1])
+            order = sorted(range(len(blocks)), key=lambda j: costs[j])
+
+            def ok(k: int) -> bool:
+                skipper.skip = {blocks[j] for j in order[:k]}
+                agree, kl, _ = compare(dense[None], step_log_probs(model, cache, token)[None])
+                return agree == 1.0 and kl < kl_limit
+
+            lo, hi = 0, len(blocks)  # largest k with ok(k), assuming monotone
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+            per_step.append({"skippable": lo, "below_0.01": sum(c < 0.01 for c in costs)})
+            skipper.skip = set()
+            with torch.no_grad():  # advance with the dense step
+                token = model(input_ids=token.view(1, 1), cache=cache, use_cache=True).logits[0, -1].argmax()
+            print(f"step {len(per_step)}: {lo} of {len(blocks)} blocks skippable", flush=True)
+    share = [r["skippable"] / len(blocks) for r in per_step]
+    return {"kl_limit": kl_limit, "steps": len(per_step), "mean_skippable_fraction": sum(share) / len(share),
+            "median_skippable_fraction": sorted(share)[len(share) // 2],
+            "steps_with_25pct_skippable": sum(x >= 0.25 for x in share) / len(share), "per_step": per_step}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--oracle", action="store_true", help="per-token decode oracle instead (see the docstring)")
+    parser.add_argument("--steps", type=int, default=16, help="--oracle: decode steps per window")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("default")
@@ -91,6 +147,15 @@ def main() -> None:
     windows = [w for w in windows if len(w) == args.tokens]
     started = time.perf_counter()
     skipper = Skipper(model)
+    meta = {"command": " ".join([".venv/bin/python bench/study_block_ablation.py", *sys.argv[1:]]),
+            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "dtype": str(model.dtype),
+            "text": source, "windows": len(windows), "tokens_per_window": args.tokens}
+    if args.oracle:
+        result = oracle(model, skipper, windows, args.steps)
+        print(f"oracle: mean skippable {result['mean_skippable_fraction']:.1%}, steps with >= 25% skippable "
+              f"{result['steps_with_25pct_skippable']:.0%}")
+        save("block_oracle", {**meta, "elapsed_s": round(time.perf_counter() - started), **result})
+        return
     dense = log_probs(model, windows)
     blocks = [(kind, i) for i in range(model.config.num_hidden_layers) for kind in ("attn", "mlp")]
     single = []
@@ -111,10 +176,7 @@ def main() -> None:
               flush=True)
     skipper.skip = set()
     save("block_ablation", {
-        "command": " ".join([".venv/bin/python bench/study_block_ablation.py", *sys.argv[1:]]),
-        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "dtype": str(model.dtype),
-        "text": source, "windows": len(windows), "tokens_per_window": args.tokens,
-        "elapsed_s": round(time.perf_counter() - started), "single": single, "cumulative": cumulative,
+        **meta, "elapsed_s": round(time.perf_counter() - started), "single": single, "cumulative": cumulative,
     })
 
 
