@@ -46,6 +46,11 @@ def held_out_text() -> tuple[str, str]:
         return " ".join(page.get_text() for page in doc) * 20, "data/sample.pdf (repeated)"
 
 
+def blocks_of(model) -> list[tuple[str, int]]:
+    """Every skippable block, in model order: ``("attn", i)`` and ``("mlp", i)`` of each layer."""
+    return [(kind, i) for i in range(model.config.num_hidden_layers) for kind in ("attn", "mlp")]
+
+
 class Skipper:
     """Forward hooks that zero the output of the chosen blocks: ``("attn", i)`` or ``("mlp", i)``."""
 
@@ -94,7 +99,7 @@ def oracle(model, skipper: Skipper, prompts: list[torch.Tensor], steps: int, kl_
     """Per decode step: how many blocks can be skipped at that step alone and keep top-1 and KL < ``kl_limit``."""
     from transformers import DynamicCache
 
-    blocks = [(kind, i) for i in range(model.config.num_hidden_layers) for kind in ("attn", "mlp")]
+    blocks = blocks_of(model)
     per_step = []
     for prompt in prompts:
         cache = DynamicCache()
@@ -157,7 +162,7 @@ def main() -> None:
         save("block_oracle", {**meta, "elapsed_s": round(time.perf_counter() - started), **result})
         return
     dense = log_probs(model, windows)
-    blocks = [(kind, i) for i in range(model.config.num_hidden_layers) for kind in ("attn", "mlp")]
+    blocks = blocks_of(model)
     single = []
     for block in blocks:
         skipper.skip = {block}

@@ -279,7 +279,7 @@ class TieredLayer(CacheLayerMixin):
                 mixed = torch.where(fresh.to(self.device).unsqueeze(-1), assoc_k, current)
                 full_k.scatter_(2, idx, mixed)
                 known = filled.clone().scatter_(2, self.assoc_pos, True)
-        votes = token_votes(grouped, full_k, known.to(self.device).unsqueeze(2)).cpu().double()
+        votes = token_votes(grouped, full_k, known.to(self.device)).cpu().double()
         # Unvoted tokens: below every vote (votes are >= 0), ordered by page score.
         rank = torch.argsort(torch.argsort(page_score.double(), dim=-1), dim=-1).double()
         fallback = -2.0 + rank / max(1, self.length)
