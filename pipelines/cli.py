@@ -188,5 +188,47 @@ def ask(
     raise typer.Exit(report.exit_code)
 
 
+@app.command("calibrate-pruning")
+def calibrate_pruning(
+    corpus: Annotated[list[Path], typer.Option("--corpus", help="Calibration text: .txt/.md files or folders "
+                                               "(e.g. python -m runtime.pruning.calibration_text > calib.txt).")],
+    out: Annotated[Path, typer.Option("--out", help="Head file to write (.safetensors) plus a .json report.")],
+    model: Annotated[str, typer.Option(help="'default' or a local Hugging Face model folder.")] = "default",
+    windows: Annotated[int, typer.Option(help="512-token windows to label (a quarter validate).")] = 32,
+    work_dir: Annotated[Path, typer.Option(help="Where labels are kept, so a rerun resumes.")] = Path(
+        ".docfuse-cache/pruning-labels"),
+    threshold: Annotated[float, typer.Option(help="The default threshold the head is chosen for.")] = 0.15,
+) -> None:
+    """Calibrate a pruning decision head: ablation labels per token and block, training, threshold sweep."""
+    files = [f for p in corpus for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
+             if f.is_file() and f.suffix.lower() in {".txt", ".md", ".markdown"}]
+    missing = [str(p) for p in corpus if not p.exists()]
+    if missing or not files:
+        _fail(f"--corpus {', '.join(missing) or ' '.join(map(str, corpus))}: no .txt/.md text found; give text "
+              "files or folders (python -m runtime.pruning.calibration_text > calib.txt makes one)")
+    if out.suffix != ".safetensors":
+        _fail(f"--out {out}: the head is written as safetensors; name it e.g. {out.with_suffix('.safetensors')}")
+    from runtime.loading import load_model
+    from runtime.pruning.calibrate import calibrate
+
+    lm, tokenizer = load_model(model)
+    text = "\n\n".join(f.read_text(errors="replace") for f in files)
+    try:
+        head, report = calibrate(lm, tokenizer, text, work_dir, windows=windows, default_threshold=threshold,
+                                 log=lambda m: err.print(m, highlight=False))
+    except ValueError as exc:
+        _fail(str(exc))
+    command = " ".join(["docfuse", *sys.argv[1:]])
+    head.save(out, report["fingerprint"], {"command": command, "chosen": report["chosen"],
+                                           "default_threshold": threshold})
+    out.with_suffix(".json").write_text(json.dumps({"command": command, **report}, indent=1))
+    chosen = next(r for r in report["sweep"] if r["threshold"] == threshold) if any(
+        r["threshold"] == threshold for r in report["sweep"]) else report["sweep"][0]
+    err.print(f"wrote {out} ({report['head_parameters']} parameters, "
+              f"{report['head_parameters'] / report['model_parameters']:.3%} of the model); at threshold "
+              f"{chosen['threshold']}: top-1 {chosen['top1_agreement']:.3f}, skipped {chosen['skipped_fraction']:.1%}",
+              highlight=False)
+
+
 def main() -> None:  # pragma: no cover - console entry
     sys.exit(app())

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from runtime import metrics
 from runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question
 from runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
+from runtime.pruning import Pruner, PruningConfig, find_head
 
 #: Room kept for a question when ``prefill_document`` is not told the questions.
 DEFAULT_QUESTION_RESERVE = 64
@@ -98,10 +99,13 @@ class Session:
     """A model, a tokenizer and the KV cache of one document."""
 
     def __init__(self, model: Any, tokenizer: Any, prompt: ChatPrompt | None = None,
-                 max_context: int | None = None, kv: KVConfig | dict | None = None) -> None:
+                 max_context: int | None = None, kv: KVConfig | dict | None = None,
+                 pruning: PruningConfig | dict | None = None) -> None:
         """``max_context`` lowers the context window below the model's (to bound memory, or in tests).
 
         ``kv``: None for a plain full cache, else the tiered cache's budgets (a KVConfig or its dict).
+        ``pruning``: None for dense decoding, else the decision head's threshold and safe mode (runtime.pruning);
+        a model without a calibrated head decodes dense and says so once.
         """
         self.kv = as_kv_config(kv) if kv is not None else None
         self.model = model
@@ -117,6 +121,12 @@ class Session:
         self.document_prefills = 0
         self.document_prefill_s = 0.0
         self._charge_prefill = False
+        self.pruning = PruningConfig.model_validate(pruning) if isinstance(pruning, dict) else pruning
+        self.pruner: Pruner | None = None
+        if self.pruning is not None:
+            head = find_head(model, self.pruning.head)
+            if head is not None:
+                self.pruner = Pruner.for_model(model, head, self.pruning.threshold)
 
     def fit_document(self, document: str, *, questions: Sequence[str] = (), max_new_tokens: int = 128,
                      truncate: Truncate = "none") -> DocumentPrefix:
@@ -156,8 +166,11 @@ class Session:
         return self.document_prefill_s
 
     @torch.inference_mode()
-    def ask(self, question: str, max_new_tokens: int = 128) -> Answer:
+    def ask(self, question: str, max_new_tokens: int = 128, *, safe_mode: bool | None = None,
+            threshold: float | None = None) -> Answer:
         """Answer ``question`` from the prefilled document by greedy decoding, then restore the cache.
+
+        ``safe_mode`` / ``threshold`` override the session's pruning for this request only (safe mode = dense).
 
         ``ttft_s`` of the first question after ``prefill`` includes the document prefill time (that is what a
         user waits for); later questions count only their own suffix prefill. Raises ``ContextTooLong`` when the
@@ -172,12 +185,18 @@ class Session:
             raise ContextTooLong(self.prefix_length, len(suffix) + max_new_tokens, self.limit)
         if not self._charge_prefill:
             metrics.reset_peak_memory(self.device)
+        prune = self.pruner is not None and not (self.pruning.safe_mode if safe_mode is None else safe_mode)
+        if prune:
+            self.pruner.threshold = self.pruning.threshold if threshold is None else threshold
+            prune = self.pruner.threshold > 0
         try:
-            return self._answer(question, suffix, max_new_tokens)
+            return self._answer(question, suffix, max_new_tokens, prune)
         finally:
+            if self.pruner is not None:
+                self.pruner.mode = "off"
             crop_cache(self.cache, self.prefix_length)
 
-    def _answer(self, question: str, suffix: list[int], max_new_tokens: int) -> Answer:
+    def _answer(self, question: str, suffix: list[int], max_new_tokens: int, prune: bool = False) -> Answer:
         started = metrics.now(self.device)
         tiered = hasattr(self.cache, "retier")
         if tiered:  # re-tier for this question from its own queries; counted in its time to first token
@@ -189,6 +208,9 @@ class Session:
             self._charge_prefill = False
         generated: list[int] = []
         steps, finish = 0, "eos"
+        if prune:  # decode steps only: the document and the question's suffix were prefilled dense
+            self.pruner.reset_counts()
+            self.pruner.mode = "decode"
         decode_started = time.perf_counter()
         while token not in self.stop_ids:
             generated.append(token)
@@ -218,6 +240,7 @@ class Session:
             kv_host_bytes=kv_host,
             kv_full_bytes=kv_full,
             peak_memory_bytes=metrics.peak_memory_bytes(self.device),
+            skipped_fraction=self.pruner.skipped_fraction if prune else 0.0,
             finish_reason=finish,
         )
 

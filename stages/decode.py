@@ -34,6 +34,8 @@ class DecodeParams(StageParams):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
     kv: dict[str, Any] | None = Field(None, description="tiered KV cache budgets (core_tokens, association_tokens, "
                                       "association_bits, ...; see runtime.kv.KVConfig); null = a plain full cache")
+    pruning: dict[str, Any] | None = Field(None, description="runtime block skipping in decode: {threshold: 0.15, "
+                                           "safe_mode: false} (see runtime.pruning.PruningConfig); null = dense")
     system: str | None = Field(None, description="system message; null = answer from the document, concisely; "
                                                  "'' = the model's own default")
 
@@ -56,6 +58,24 @@ class DecodeParams(StageParams):
                 hint = f"; accepted keys: {accepted}" if err["type"] == "extra_forbidden" else ""
                 problems.append(f"kv.{key}: {err['msg']}{hint}")
             raise ValueError("; ".join(problems)) from None
+
+    @field_validator("pruning")
+    @classmethod
+    def _pruning(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        from pydantic import ValidationError
+
+        from runtime.pruning import PruningConfig
+
+        try:
+            return PruningConfig(**value).model_dump(mode="json")
+        except ValidationError as exc:
+            accepted = ", ".join(PruningConfig.model_fields)
+            raise ValueError("; ".join(
+                f"pruning.{'.'.join(str(p) for p in e['loc']) or 'pruning'}: {e['msg']}"
+                + (f"; accepted keys: {accepted}" if e["type"] == "extra_forbidden" else "")
+                for e in exc.errors())) from None
 
     @field_validator("prompt")
     @classmethod
@@ -81,7 +101,7 @@ class DecodeGenerate(Stage):
         "pages": pa.schema([schemas.PAGE_TEXT.field(name) for name in PAGE_COLUMNS]),
     }
     output_schema = schemas.QA
-    reads_params = ("question", "questions")
+    reads_params = ("question", "questions", "safe_mode")
     resources: ClassVar[dict[str, float]] = {"num_cpus": 1}
 
     session: Any = None
@@ -99,7 +119,8 @@ class DecodeGenerate(Stage):
             _MODELS[key] = load_model(p.model, dtype=p.dtype, device=key[2])
         model, tokenizer = _MODELS[key]
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
-        self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv)
+        self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
+                               pruning=p.pruning)
 
     def questions(self) -> list[str]:
         """``params.questions`` (a list) when given, else ``[params.question]``; ValueError naming the fix."""
@@ -164,7 +185,7 @@ class DecodeGenerate(Stage):
         self.session.prefill(prefix, chunk_size=p.prefill_chunk)
         out = []
         for question, prompt in zip(questions, prompts):
-            a = self.session.ask(prompt, max_new_tokens=p.max_new_tokens)
+            a = self.session.ask(prompt, max_new_tokens=p.max_new_tokens, safe_mode=self.context.get("safe_mode"))
             out.append(_row(doc_id, source, question, answer=a.text, prompt_tokens=a.prompt_tokens,
                             ttft_s=a.ttft_s, decode_tokens_per_s=a.decode_tokens_per_s,
                             kv_device_bytes=a.kv_device_bytes, kv_host_bytes=a.kv_host_bytes,

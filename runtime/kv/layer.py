@@ -73,11 +73,7 @@ class TieredLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tokens to the core and return association (dequantised) + core."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        self._append_core(key_states, value_states, torch.arange(self.length, self.length + q))
-        self.length += q
+        self.store(key_states, value_states)
         core_k, core_v = self.keys[:, :, : self.n_core], self.values[:, :, : self.n_core]
         if self.n_assoc == 0:
             return core_k, core_v
@@ -89,6 +85,14 @@ class TieredLayer(CacheLayerMixin):
         out_k[:, :, a:].copy_(core_k)
         out_v[:, :, a:].copy_(core_v)
         return out_k, out_v
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append the new tokens to the core without reading anything back (a skipped attention block)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self._append_core(key_states, value_states, torch.arange(self.length, self.length + q))
+        self.length += q
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.active + query_length, self.length - self.active

@@ -58,6 +58,12 @@ class TieredCache(Cache):
             self.peak_device = max(self.peak_device, self.device_bytes())
         return out
 
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Append K/V to a layer without attending: what a skipped attention block writes (runtime.pruning)."""
+        self.layers[layer_idx].store(key_states, value_states)
+        if layer_idx == len(self.layers) - 1:
+            self.peak_device = max(self.peak_device, self.device_bytes())
+
     # ---- pages and queries ---------------------------------------------------------------------------------------
     def set_pages(self, spans: Sequence[tuple[int, int]]) -> None:
         """Score by these token spans (e.g. one per document page); positions outside them use fixed blocks."""
