@@ -195,6 +195,8 @@ def calibrate_pruning(
     out: Annotated[Path, typer.Option("--out", help="Head file to write (.safetensors) plus a .json report.")],
     model: Annotated[str, typer.Option(help="'default' or a local Hugging Face model folder.")] = "default",
     windows: Annotated[int, typer.Option(help="512-token windows to label (a quarter validate).")] = 32,
+    label_windows: Annotated[Optional[int], typer.Option(help="Label only the first N of those windows "
+                                                         "(a time budget; default all).")] = None,
     work_dir: Annotated[Path, typer.Option(help="Where labels are kept, so a rerun resumes.")] = Path(
         ".docfuse-cache/pruning-labels"),
     threshold: Annotated[float, typer.Option(help="The default threshold the head is chosen for.")] = 0.15,
@@ -214,7 +216,8 @@ def calibrate_pruning(
     lm, tokenizer = load_model(model)
     text = "\n\n".join(f.read_text(errors="replace") for f in files)
     try:
-        head, report = calibrate(lm, tokenizer, text, work_dir, windows=windows, default_threshold=threshold,
+        head, report = calibrate(lm, tokenizer, text, work_dir, windows=windows, label=label_windows,
+                                 default_threshold=threshold,
                                  log=lambda m: err.print(m, highlight=False))
     except ValueError as exc:
         _fail(str(exc))

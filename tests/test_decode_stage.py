@@ -40,7 +40,7 @@ def test_registered_with_its_contract():
     assert cls is DecodeGenerate
     assert cls.output_schema == schemas.QA
     assert cls.inputs["pages"].names == ["doc_id", "source", "page", "text"]
-    assert set(cls.reads_params) == {"question", "questions"}
+    assert set(cls.reads_params) == {"question", "questions", "safe_mode"}
     assert cls.resources["num_cpus"] >= 1
 
 

@@ -231,3 +231,20 @@ def test_pruning_block_is_validated_with_accepted_keys():
     with pytest.raises(ValueError, match="threshold"):
         DecodeParams(pruning={"threshold": 2})
     assert DecodeParams(pruning={"safe_mode": True}).pruning["threshold"] == 0.15
+
+
+@pytest.mark.parametrize("context, skips", [({}, True), ({"safe_mode": True}, False)])
+def test_pdf_qa_rows_carry_the_skipped_fraction_and_safe_mode_per_run(lm, monkeypatch, context, skips):
+    import pyarrow as pa
+
+    from stages.decode import DecodeGenerate
+
+    model, _ = lm
+    head = random_head(model, seed=5)
+    monkeypatch.setattr("runtime.session.find_head", lambda *_: head)
+    stage = DecodeGenerate(context={"question": "What is the monthly fee?", **context},
+                           pruning={"threshold": 0.5}, max_new_tokens=8, dtype="float32", device="cpu")
+    pages = pa.table({"doc_id": ["d"], "source": ["d.pdf"], "page": [1], "text": [TEXT]})
+    row = stage.run(pages).to_pylist()[0]
+    assert row["error"] is None
+    assert (row["skipped_fraction"] > 0) == skips

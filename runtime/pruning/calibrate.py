@@ -29,6 +29,8 @@ from runtime.pruning.head import DecisionHead, model_fingerprint
 #: to stand for a decode step).
 WINDOW_TOKENS = 512
 MIN_HISTORY = 64
+#: Layers whose output is saved with the labels: the read layers a head may be trained on.
+FEATURE_LAYERS = (1, 2, 3, 4, 5, 6)
 
 
 def text_windows(tokenizer: Any, text: str, windows: int, tokens: int = WINDOW_TOKENS) -> list[torch.Tensor]:
@@ -42,8 +44,8 @@ def text_windows(tokenizer: Any, text: str, windows: int, tokens: int = WINDOW_T
     return [ids[i * stride: i * stride + tokens] for i in range(count)]
 
 
-def collect(model: Any, windows: Sequence[torch.Tensor], work_dir: Path, read_layers: Sequence[int],
-            log: Callable[[str], None] = print) -> list[Path]:
+def collect(model: Any, windows: Sequence[torch.Tensor], work_dir: Path,
+            read_layers: Sequence[int] = FEATURE_LAYERS, log: Callable[[str], None] = print) -> list[Path]:
     """Label every window (skipping those already in ``work_dir`` for the same tokens); returns the files."""
     work_dir.mkdir(parents=True, exist_ok=True)
     files = []
@@ -133,7 +135,7 @@ def fidelity(model: Any, pruner: Pruner, windows: Sequence[torch.Tensor], thresh
             "skipped_per_block": (skipped / count).tolist(), "positions": int(count)}
 
 
-def calibrate(model: Any, tokenizer: Any, text: str, work_dir: Path, *, windows: int = 32,
+def calibrate(model: Any, tokenizer: Any, text: str, work_dir: Path, *, windows: int = 32, label: int | None = None,
               read_layers: Sequence[int] = (1, 2, 3), label_kls: Sequence[float] = (0.005, 0.01, 0.02, 0.05),
               thresholds: Sequence[float] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5), default_threshold: float = 0.15,
               target_top1: float = 0.95, log: Callable[[str], None] = print) -> tuple[DecisionHead, dict[str, Any]]:
@@ -142,12 +144,15 @@ def calibrate(model: Any, tokenizer: Any, text: str, work_dir: Path, *, windows:
     The best head skips the most blocks at ``default_threshold`` while keeping ``target_top1`` teacher-forced top-1
     agreement on the validation windows (a quarter of the windows, never trained on); when none keeps it, the one
     that agrees most. Returns the head and a report (every candidate, the sweep, the label statistics).
+    ``label``: use only the first ``label`` of the ``windows`` spread over the text (a time budget).
     """
-    token_windows = text_windows(tokenizer, text, windows)
+    token_windows = text_windows(tokenizer, text, windows)[:label]
     if len(token_windows) < 4:
         raise ValueError(f"calibration needs at least 4 windows of {WINDOW_TOKENS} tokens, the text gives "
                          f"{len(token_windows)}; give a longer --corpus")
-    files = collect(model, token_windows, work_dir, read_layers, log=log)
+    if not set(read_layers) <= set(FEATURE_LAYERS):
+        raise ValueError(f"read layers must be among {FEATURE_LAYERS}, got {tuple(read_layers)}")
+    files = collect(model, token_windows, work_dir, log=log)
     labelled = load_windows(files)
     n_val = max(1, len(labelled) // 4)
     train, val = labelled[:-n_val], labelled[-n_val:]
@@ -169,7 +174,7 @@ def calibrate(model: Any, tokenizer: Any, text: str, work_dir: Path, *, windows:
     head, chosen = best
     pruner = Pruner.for_model(model, head, default_threshold)
     sweep = [fidelity(model, pruner, val_ids, t) for t in thresholds]
-    report = {"fingerprint": model_fingerprint(model.config), "windows": len(labelled), "train_windows": len(train),
+    report = {"fingerprint": model_fingerprint(model.config), "windows": len(labelled), "spread_over": windows, "train_windows": len(train),
               "validation_windows": len(val), "window_tokens": WINDOW_TOKENS, "min_history": MIN_HISTORY,
               "label_statistics": summary(files), "candidates": candidates,
               "chosen": {"read_layer": chosen["read_layer"], "label_kl": chosen["label_kl"]},
@@ -195,5 +200,5 @@ if __name__ == "__main__":  # label collection alone: python -m runtime.pruning.
 
     model, tokenizer = load_model("default")
     text = Path(sys.argv[1]).read_text()
-    files = collect(model, text_windows(tokenizer, text, int(sys.argv[3])), Path(sys.argv[2]), range(1, 7))
+    files = collect(model, text_windows(tokenizer, text, int(sys.argv[3])), Path(sys.argv[2]))
     print(json.dumps(summary(files), indent=1))
