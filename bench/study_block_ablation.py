@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kv_cases  # noqa: E402
 from bench.common import machine, save  # noqa: E402
 from runtime.loading import load_model  # noqa: E402
+from runtime.pruning.ablation import blocks_of as ablation_blocks  # noqa: E402
 
 SAMPLE_PDF = Path(__file__).resolve().parents[1] / "data" / "sample.pdf"
 
@@ -47,8 +48,8 @@ def held_out_text() -> tuple[str, str]:
 
 
 def blocks_of(model) -> list[tuple[str, int]]:
-    """Every skippable block, in model order: ``("attn", i)`` and ``("mlp", i)`` of each layer."""
-    return [(kind, i) for i in range(model.config.num_hidden_layers) for kind in ("attn", "mlp")]
+    """Every skippable block, in model order (the decision head's order, ``runtime.pruning.ablation``)."""
+    return ablation_blocks(model.config.num_hidden_layers)
 
 
 class Skipper:

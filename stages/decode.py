@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from pipelines.registry import register
 from pipelines.stage import Stage, StageParams, error_value
@@ -42,40 +42,16 @@ class DecodeParams(StageParams):
     @field_validator("kv")
     @classmethod
     def _kv(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is None:
-            return None
-        from pydantic import ValidationError
-
         from runtime.kv import KVConfig
 
-        try:
-            return KVConfig(**value).model_dump(mode="json")
-        except ValidationError as exc:
-            accepted = ", ".join(KVConfig.model_fields)
-            problems = []
-            for err in exc.errors():
-                key = ".".join(str(p) for p in err["loc"]) or "kv"
-                hint = f"; accepted keys: {accepted}" if err["type"] == "extra_forbidden" else ""
-                problems.append(f"kv.{key}: {err['msg']}{hint}")
-            raise ValueError("; ".join(problems)) from None
+        return _sub_block("kv", KVConfig, value)
 
     @field_validator("pruning")
     @classmethod
     def _pruning(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is None:
-            return None
-        from pydantic import ValidationError
-
         from runtime.pruning import PruningConfig
 
-        try:
-            return PruningConfig(**value).model_dump(mode="json")
-        except ValidationError as exc:
-            accepted = ", ".join(PruningConfig.model_fields)
-            raise ValueError("; ".join(
-                f"pruning.{'.'.join(str(p) for p in e['loc']) or 'pruning'}: {e['msg']}"
-                + (f"; accepted keys: {accepted}" if e["type"] == "extra_forbidden" else "")
-                for e in exc.errors())) from None
+        return _sub_block("pruning", PruningConfig, value)
 
     @field_validator("prompt")
     @classmethod
@@ -88,6 +64,22 @@ class DecodeParams(StageParams):
         if "{question}" not in value:
             raise ValueError(f"prompt {value!r} never uses {{question}}; for example 'Answer briefly: {{question}}'")
         return value
+
+
+def _sub_block(name: str, config: type[BaseModel], value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Validate a nested block (``kv:``, ``pruning:``) with its runtime config; every problem named, with its path."""
+    if value is None:
+        return None
+    try:
+        return config(**value).model_dump(mode="json")
+    except ValidationError as exc:
+        accepted = ", ".join(config.model_fields)
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or name
+            hint = f"; accepted keys: {accepted}" if err["type"] == "extra_forbidden" else ""
+            problems.append(f"{name}.{key}: {err['msg']}{hint}")
+        raise ValueError("; ".join(problems)) from None
 
 
 @register

@@ -148,9 +148,3 @@ def window_labels(model: torch.nn.Module, ids: torch.Tensor, read_layers: list[i
     for r in read_layers:
         out[f"features_{r}"] = trace.residual_in[r + 1].float().cpu()
     return out
-
-
-def entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    return -(log_probs.exp() * log_probs).sum(-1)
-
-

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from runtime.pruning.ablation import window_labels
+from runtime.pruning.ablation import kl_and_flip, window_labels
 from runtime.pruning.gates import Pruner
 from runtime.pruning.head import DecisionHead, model_fingerprint
 
@@ -126,8 +126,9 @@ def fidelity(model: Any, pruner: Pruner, windows: Sequence[torch.Tensor], thresh
             keep = pruner.mask_keep[0, dense_prefix:].cpu()
         finally:
             pruner.mode = "off"
-        agree += float((dense.argmax(-1) == pruned.argmax(-1)).sum())
-        kl_sum += float((dense.exp() * (dense - pruned)).sum(-1).clamp_min(0).sum())
+        kl, flip = kl_and_flip(dense, pruned)
+        agree += float((~flip).sum())
+        kl_sum += float(kl.sum())
         count += len(dense)
         skipped += (~keep).float().sum(0)
     return {"threshold": threshold, "top1_agreement": agree / count, "kl": kl_sum / count,
