@@ -1,0 +1,69 @@
+"""Masked-token recovery on held-out pages: the same hidden tokens, read with the trained fusion and text-only.
+
+Text-only is the same fusion with every gate at 0 (exactly the text stream: the hidden tokens stay hidden).
+A token counts as recovered when the frozen decoder's top-1 prediction for it is right.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fusion.features import encode
+from fusion.model import Fusion
+from fusion.objective import batch_streams, choose_mask
+from fusion.prepare import Prepared, patch_grid_boxes
+
+
+def text_only(fusion: Fusion) -> Fusion:
+    """A copy of ``fusion`` with every gate at 0: its stream is the text stream, bit for bit."""
+    fusion.cross.read = None  # a training-time activation: not part of the module's state
+    off = copy.deepcopy(fusion)
+    with torch.no_grad():
+        off.cross.attn_gate.zero_()
+        off.cross.mlp_gate.zero_()
+        off.visual_gate.zero_()
+    return off.eval()
+
+
+@torch.no_grad()
+def masked_recovery(decoder: Any, vit: Any, fusion: Fusion, pages: Sequence[Prepared], mask_rate: float = 0.15,
+                    seed: int = 1234) -> dict:
+    """``{"masked_recovery_fused", "masked_recovery_text_only", "pages", "masked_tokens", ...}`` over ``pages``."""
+    device = next(decoder.parameters()).device
+    embed = decoder.get_input_embeddings()
+    rows, cols = vit.patch_embed.grid_size
+    patch_boxes = patch_grid_boxes(rows, cols).to(device)
+    plain = text_only(fusion)
+    hits = {"fused": 0, "text_only": 0}
+    visible = {"fused": 0, "text_only": 0}
+    n_hidden = n_visible = n_pages = 0
+    for i, page in enumerate(p for p in pages if not p.tokens.caption):
+        gen = torch.Generator().manual_seed(seed + i)
+        mask = choose_mask(page.tokens.boxes, mask_rate, gen)
+        if not mask.any():
+            continue
+        feats = encode(vit, page.pixels.unsqueeze(0))
+        ink = page.ink.to(device).unsqueeze(0)
+        for name, f in (("fused", fusion), ("text_only", plain)):
+            out = batch_streams(f, embed, [page.tokens], feats, patch_boxes, ink, [mask.to(device)])[0]
+            logits = decoder(inputs_embeds=out.stream.embeds.unsqueeze(0).to(embed.weight.dtype)).logits[0]
+            right = logits[out.rows].argmax(-1) == out.targets
+            hits[name] += int(right[out.hidden].sum())
+            visible[name] += int(right[~out.hidden].sum())
+            hidden = out.hidden
+        n_hidden += int(hidden.sum())
+        n_visible += int((~hidden).sum())
+        n_pages += 1
+    return {
+        "masked_recovery_fused": hits["fused"] / max(n_hidden, 1),
+        "masked_recovery_text_only": hits["text_only"] / max(n_hidden, 1),
+        "visible_top1_fused": visible["fused"] / max(n_visible, 1),
+        "visible_top1_text_only": visible["text_only"] / max(n_visible, 1),
+        "pages": n_pages,
+        "masked_tokens": n_hidden,
+        "gates": fusion.gates(),
+    }
