@@ -36,12 +36,14 @@ def decoder_fingerprint(config: Any) -> str:
             f":layers={config.num_hidden_layers}")
 
 
-def save(path: str | Path, vit: Any, fusion: Fusion, vision: VisionSpec, decoder: str, **extra: str) -> Path:
-    """Write ``vision.*`` and ``fusion.*`` tensors with the metadata that rebuilds both."""
+def save(path: str | Path, vit: Any, fusion: Fusion, vision: VisionSpec, decoder: str,
+         dtype: torch.dtype = torch.float16, **extra: str) -> Path:
+    """Write ``vision.*`` and ``fusion.*`` tensors (``dtype``: fp16 keeps it small) with the metadata that
+    rebuilds both; loading casts back to float32."""
     from safetensors.torch import save_file
 
-    tensors = {f"vision.{k}": v.detach().float().cpu().contiguous() for k, v in vit.state_dict().items()}
-    tensors |= {f"fusion.{k}": v.detach().float().cpu().contiguous() for k, v in fusion.state_dict().items()}
+    tensors = {f"vision.{k}": v.detach().to(dtype).cpu().contiguous() for k, v in vit.state_dict().items()}
+    tensors |= {f"fusion.{k}": v.detach().to(dtype).cpu().contiguous() for k, v in fusion.state_dict().items()}
     meta = {"format": "docfuse-fusion-1", "fusion_config": json.dumps(fusion.config.to_dict()),
             "vision_model": vision.model, "vision_args": json.dumps(vision.args),
             "image_size": f"{vision.image_size[0]}x{vision.image_size[1]}", "dpi": str(vision.dpi),
@@ -85,7 +87,7 @@ def load(path: str | Path, decoder: str | None = None, device: str = "cpu") -> t
         raise ValueError(f"fusion checkpoint {str(path)!r} was trained for decoder {meta.get('decoder')!r}, "
                          f"not {decoder!r}; train one for this model with `docfuse train-fusion --model ...`")
     spec = vision_spec(meta)
-    tensors = load_file(str(path), device=device)
+    tensors = {k: v.float() for k, v in load_file(str(path), device=device).items()}
     vit = spec.build(device)
     vit.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("vision.")}, strict=True)
     fusion = Fusion(FusionConfig(**json.loads(meta["fusion_config"]))).to(device)

@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -25,6 +24,7 @@ def build_vit(model: str, image_size: tuple[int, int], model_args: Mapping[str, 
     ``model_args`` override the architecture (``depth``, ``embed_dim``, ``num_heads``, ``patch_size``).
     """
     import timm
+    import torch
 
     if not timm.is_model(model):
         raise ValueError(f"unknown timm model {model!r}; pick a ViT from `timm.list_models('vit_*')`, "

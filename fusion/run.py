@@ -92,7 +92,8 @@ def train_from_pdfs(decoder: Any, tokenizer: Any, *, corpus: Sequence[str | Path
                                  eval_every=500)
     report = masked_recovery(decoder, vit, fusion, eval_pages, mask_rate=config.mask_rate) if eval_pages else {}
     checkpoint.save(out, vit, fusion, vision, checkpoint.decoder_fingerprint(decoder.config), command=command,
-                    trained="true", train_pages=str(len(pages)), config=json.dumps(config_dict(config)))
+                    trained="true", train_pages=str(len(pages)), config=json.dumps(config_dict(config)),
+                    held_out=json.dumps({k: v for k, v in report.items() if k != "gates"}))
     summary = {"checkpoint": str(out), "train_pages": len(pages), "eval_pages": len(eval_pages),
                "eval_sources": sorted({p.source for p in eval_pages}), "held_out": report,
                "history": history, "seconds": round(time.perf_counter() - started, 1), "command": command}
@@ -111,6 +112,23 @@ def evaluate_pdfs(decoder: Any, tokenizer: Any, ckpt: Path, pdfs: Sequence[str |
     return masked_recovery(decoder, vit, fusion, pages, mask_rate=mask_rate)
 
 
+def pack(src: Path, out: Path) -> Path:
+    """Re-save a checkpoint in fp16 with its training report's held-out figures in the metadata (what data/ ships)."""
+    from safetensors import safe_open
+
+    vit, fusion, vision, meta = checkpoint.load(src)
+    report = src.with_suffix(".json")
+    held = json.loads(report.read_text())["held_out"] if report.is_file() else {}
+    with safe_open(str(src), framework="pt") as fh:
+        meta = dict(fh.metadata() or {})
+    meta.pop("format", None)
+    for key in ("fusion_config", "vision_model", "vision_args", "image_size", "dpi", "decoder"):
+        meta.pop(key, None)
+    meta["held_out"] = json.dumps({k: v for k, v in held.items() if k != "gates"})
+    decoder = checkpoint.read_meta(src)["decoder"]
+    return checkpoint.save(out, vit, fusion, vision, decoder, **meta)
+
+
 def load_decoder(name: str, device: str) -> tuple[Any, Any]:
     """A causal LM (folder or .gguf) with transformers alone, in bf16 on CUDA, fp32 on CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,8 +143,9 @@ def load_decoder(name: str, device: str) -> tuple[Any, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fusion.run")
-    ap.add_argument("verb", choices=["train"])
-    ap.add_argument("--model", required=True, help="decoder: a Hugging Face folder or a .gguf file")
+    ap.add_argument("verb", choices=["train", "pack"])
+    ap.add_argument("src", nargs="?", type=Path, help="pack: the checkpoint to re-save")
+    ap.add_argument("--model", help="decoder: a Hugging Face folder or a .gguf file")
     ap.add_argument("--corpus", nargs="*", default=[])
     ap.add_argument("--eval-corpus", nargs="*", default=[])
     ap.add_argument("--synthetic", type=int, default=0)
@@ -137,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=None, help="training time budget (overrides --steps)")
     args = ap.parse_args(argv)
+    if args.verb == "pack":
+        print(pack(args.src, args.out))
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     decoder, tokenizer = load_decoder(args.model, device)
     config = TrainConfig(steps=args.steps, batch_pages=args.batch, seed=args.seed,

@@ -144,12 +144,16 @@ class Session:
         return truncate_prefix(prefix, self.limit - reserve, truncate, self.prompt.elision())
 
     @torch.inference_mode()
-    def prefill(self, document_ids: Sequence[int] | DocumentPrefix, chunk_size: int = 512) -> float:
+    def prefill(self, document_ids: Sequence[int] | DocumentPrefix, chunk_size: int = 512,
+                embeds: torch.Tensor | None = None) -> float:
         """Prefill the document prefix into a fresh cache, ``chunk_size`` tokens per forward; returns seconds.
 
         Chunks bound the attention scores' memory (chunk x context) while reusing the cache between chunks.
+        ``embeds`` ([len(ids), hidden]) replaces the ids' own embeddings: a fused stream (fusion.gate).
         """
         ids = list(document_ids.ids if isinstance(document_ids, DocumentPrefix) else document_ids)
+        if embeds is not None and embeds.shape[0] != len(ids):
+            raise ValueError(f"embeds has {embeds.shape[0]} rows for {len(ids)} ids; give one row per position")
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if len(ids) >= self.limit:
@@ -158,7 +162,8 @@ class Session:
         started = metrics.now(self.device)
         self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
         for start in range(0, len(ids), chunk_size):
-            self._forward(ids[start:start + chunk_size])
+            rows = None if embeds is None else embeds[start:start + chunk_size]
+            self._forward(ids[start:start + chunk_size], rows)
         self.prefix_length = self.cache.get_seq_length()
         self.document_prefill_s = metrics.now(self.device) - started
         self.document_prefills += 1
@@ -244,11 +249,14 @@ class Session:
             finish_reason=finish,
         )
 
-    def _forward(self, ids: Sequence[int]) -> torch.Tensor:
-        """Run ``ids`` through the model on top of the cache; returns the last position's logits."""
+    def _forward(self, ids: Sequence[int], embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``ids`` (or their ``embeds`` rows) through the model on top of the cache; the last position's logits."""
         past = self.cache.get_seq_length()
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(past, past + len(ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+        if embeds is None:
+            inputs = {"input_ids": torch.tensor([list(ids)], dtype=torch.long, device=self.device)}
+        else:
+            inputs = {"inputs_embeds": embeds.to(self.device, self.model.dtype).unsqueeze(0)}
+        out = self.model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1,
                          **{self._cache_kwarg: self.cache})
         return out.logits[0, -1]

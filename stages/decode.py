@@ -17,7 +17,6 @@ from pipelines.stage import Stage, StageParams, error_value
 from stages import schemas
 
 PAGE_COLUMNS = ("doc_id", "source", "page", "text")
-_MODELS: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
 
 class DecodeParams(StageParams):
@@ -99,17 +98,12 @@ class DecodeGenerate(Stage):
     session: Any = None
 
     def setup(self) -> None:
-        from runtime.loading import resolve_device
         from runtime.prompt import DEFAULT_SYSTEM, ChatPrompt
         from runtime.session import Session
+        from stages.models import shared_model
 
         p = self.params
-        key = (p.model, p.dtype, resolve_device(p.device))
-        if key not in _MODELS:
-            from runtime.loading import load_model
-
-            _MODELS[key] = load_model(p.model, dtype=p.dtype, device=key[2])
-        model, tokenizer = _MODELS[key]
+        model, tokenizer = shared_model(p.model, p.dtype, p.device)
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
                                pruning=p.pruning)
@@ -148,12 +142,13 @@ class DecodeGenerate(Stage):
             for doc_id, doc in group_pages(pages).items():
                 rows.append(_row(doc_id, doc["source"], None, error=error_value("no_question", str(exc))))
             return pa.Table.from_pylist(rows, schema=self.output_schema)
+        fused = fused_pages(pages) if "fused" in pages.column_names else {}
         for doc_id, doc in group_pages(pages).items():
-            rows.extend(self._answer_document(doc_id, doc["source"], doc["pages"], questions))
+            rows.extend(self._answer_document(doc_id, doc["source"], doc["pages"], questions, fused.get(doc_id)))
         return pa.Table.from_pylist(rows, schema=self.output_schema)
 
     def _answer_document(self, doc_id: str, source: str | None, pages: list[tuple[int, str]],
-                         questions: list[str]) -> list[dict]:
+                         questions: list[str], fused: list[tuple[int, Any]] | None = None) -> list[dict]:
         from runtime.prompt import document_text
         from runtime.session import ContextTooLong
 
@@ -161,20 +156,24 @@ class DecodeGenerate(Stage):
             return [_row(doc_id, source, q, error=error_value(kind, message)) for q in questions]
 
         text = document_text(pages)
-        if not text:
+        if not text and not fused:
             return errors("no_text", f"none of the document's {len(pages)} page(s) has text; image-only pages "
-                                     "need OCR or the fusion stage before decode.generate")
+                                     "need OCR or a trained fusion stage before decode.generate")
         if self.session is None:
             self.setup()
         p = self.params
         prompts = [p.prompt.format(question=q) for q in questions]
         try:
-            prefix = self.session.fit_document(text, questions=prompts, max_new_tokens=p.max_new_tokens,
-                                               truncate=p.truncate)
+            if fused:
+                ids, embeds = self._fused_prefix(fused, prompts)
+                self.session.prefill(ids, chunk_size=p.prefill_chunk, embeds=embeds)
+            else:
+                prefix = self.session.fit_document(text, questions=prompts, max_new_tokens=p.max_new_tokens,
+                                                   truncate=p.truncate)
+                self.session.prefill(prefix, chunk_size=p.prefill_chunk)
         except ContextTooLong as exc:
             return errors("context_too_long", f"{exc}; set truncate: head (--set answer.truncate=head) "
                                               "or use a model with a longer context")
-        self.session.prefill(prefix, chunk_size=p.prefill_chunk)
         out = []
         for question, prompt in zip(questions, prompts):
             a = self.session.ask(prompt, max_new_tokens=p.max_new_tokens, safe_mode=self.context.get("safe_mode"))
@@ -184,6 +183,55 @@ class DecodeGenerate(Stage):
                             kv_full_bytes=a.kv_full_bytes, skipped_fraction=a.skipped_fraction,
                             peak_memory_bytes=a.peak_memory_bytes))
         return out
+
+
+    def _fused_prefix(self, fused: list[tuple[int, Any]], prompts: list[str]) -> tuple[list[int], Any]:
+        """Prompt head + per page (marker, fused rows), pages joined as document_text joins them."""
+        import torch
+
+        with torch.inference_mode():
+            return self._fused_rows(fused, prompts)
+
+    def _fused_rows(self, fused: list[tuple[int, Any]], prompts: list[str]) -> tuple[list[int], Any]:
+        import torch
+
+        from runtime.prompt import page_marker
+        from runtime.session import ContextTooLong
+
+        session, p = self.session, self.params
+        embed = session.model.get_input_embeddings()
+        encode = session.prompt._encode
+        head = list(session.prompt.prefix("").ids)
+        ids, parts = list(head), [embed(torch.tensor(head, device=session.device))]
+        for n, (page, (page_ids, rows)) in enumerate(fused):
+            lead = encode(("\n\n" if n else "") + f"{page_marker(page)}\n")
+            ids += lead + [max(i, 0) for i in page_ids]
+            parts += [embed(torch.tensor(lead, device=session.device)), torch.from_numpy(rows).to(session.device)]
+        reserve = max(len(session.prompt.suffix(q)) for q in prompts) + p.max_new_tokens
+        if len(ids) + reserve > session.limit:
+            if p.truncate == "none" or session.limit - reserve <= len(head):
+                raise ContextTooLong(len(ids), reserve, session.limit)
+            ids = ids[:session.limit - reserve]  # head (and head_tail) keep the beginning of a fused stream
+        return ids, torch.cat(parts)[:len(ids)]
+
+
+def fused_pages(table: pa.Table) -> dict[str, list[tuple[int, Any]]]:
+    """doc_id -> [(page, (token_ids, fused rows))] in page order, for documents where fusion.gate fused a page.
+
+    A document whose pages all stayed text-only is left out: it takes the text path, exactly as without fusion.
+    """
+    from stages.fuse import fused_rows
+
+    docs: dict[str, list] = {}
+    applied: set[str] = set()
+    column = table.column("fused").combine_chunks()
+    for i, (doc, page, text, ids, how) in enumerate(zip(*(table.column(c).to_pylist() for c in
+                                                         ("doc_id", "page", "text", "token_ids", "fusion")))):
+        if not ids:
+            continue
+        applied.update([doc] if how == "fused" else [])
+        docs.setdefault(doc, []).append((page or 0, (ids, fused_rows(column, i))))
+    return {d: sorted(pages, key=lambda x: x[0]) for d, pages in docs.items() if d in applied}
 
 
 def group_pages(table: pa.Table) -> dict[str, dict[str, Any]]:

@@ -14,12 +14,14 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, field_validator
 
+from fusion.encoder import patch_ink
 from pipelines.registry import register
 from pipelines.stage import Stage, StageParams, error_value
 from stages import schemas
 from stages.vision_geometry import patch_boxes, patch_grid, tensor_column
 from stages.vision_image import BadImage, load_page
-from stages.vision_model import HOW_TO_MAKE, size_arg, create, geometry, init_checkpoint, load_weights, resolve_checkpoint
+from stages.vision_model import (HOW_TO_MAKE, as_args, create, geometry, init_checkpoint, load_weights,
+                                 resolve_checkpoint, size_arg)
 
 __all__ = ["VisionPatches", "VisionPatchesParams", "init_checkpoint", "patches_schema"]
 
@@ -34,14 +36,17 @@ def patches_schema(n_patches: int, dim: int) -> pa.Schema:
         pa.field("patch_features", pa.fixed_shape_tensor(pa.float32(), [n_patches, dim])),
         pa.field("patch_boxes", pa.fixed_shape_tensor(pa.float32(), [n_patches, 4])),
         pa.field("patch_grid", pa.fixed_shape_tensor(pa.int16(), [n_patches, 4])),
+        pa.field("patch_ink", pa.fixed_shape_tensor(pa.float32(), [n_patches])),
         schemas.ERROR,
     ])
 
 
 class VisionPatchesParams(StageParams):
     model: str = Field("vit_tiny_patch16_224", description="any timm ViT name; built without downloading")
-    checkpoint: str = Field(description="local weights for `model` (safetensors or torch state dict); "
-                                        "see data/vision/README.md, stages.vision.init_checkpoint")
+    model_args: dict[str, int] = Field(default_factory=dict, description="architecture overrides for timm "
+                                       "(depth, embed_dim, num_heads, patch_size), as the checkpoint was made")
+    checkpoint: str = Field(description="local weights for `model` (safetensors or torch state dict), or a "
+                                        "fusion checkpoint (its ViT is used); see data/vision/README.md")
     image_size: list[int] = Field(default_factory=lambda: [224, 224], min_length=2, max_length=2,
                                   description="[H, W] the page is stretched to; multiples of the patch size, "
                                               "and the size the checkpoint was made at")
@@ -62,7 +67,7 @@ class VisionPatches(Stage):
     """ViT patch features per page image, with each patch's box in PDF points and on the 0-1000 grid."""
 
     kind = "vision.patches"
-    version = "1"
+    version = "2"
     Params = VisionPatchesParams
     inputs: ClassVar[dict[str, pa.Schema]] = {
         "images": pa.schema([f for f in schemas.PAGE_IMAGE
@@ -80,7 +85,7 @@ class VisionPatches(Stage):
         return int(self.params.image_size[0]), int(self.params.image_size[1])
 
     def output(self) -> pa.Schema:
-        geo = geometry(self.params.model, self._size)
+        geo = geometry(self.params.model, self._size, as_args(self.params.model_args))
         return patches_schema(geo.n_patches, geo.dim)
 
     def cache_salt(self) -> str:
@@ -98,8 +103,8 @@ class VisionPatches(Stage):
             given = "" if str(path) == p.checkpoint else f" (given as {p.checkpoint!r})"
             raise ValueError(f"vision.patches: checkpoint {str(path)!r}{given} not found; "
                              + HOW_TO_MAKE.format(path=p.checkpoint, model=p.model, size=size_arg(self._size)))
-        self._geo = geometry(p.model, self._size)
-        net = create(p.model, self._size, device="cpu")
+        self._geo = geometry(p.model, self._size, as_args(p.model_args))
+        net = create(p.model, self._size, device="cpu", args=as_args(p.model_args))
         load_weights(net, path, p.model, self._size)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if p.device == "auto" else p.device
         self._device = torch.device(device)
@@ -119,12 +124,13 @@ class VisionPatches(Stage):
                 for name in ("doc_id", "source", "page", "page_width", "page_height")}
         features = np.zeros((n, geo.n_patches, geo.dim), dtype=np.float32)
         boxes = np.zeros((n, geo.n_patches, 4), dtype=np.float32)
+        ink = np.zeros((n, geo.n_patches), dtype=np.float32)
         errors: list[str | None] = [None] * n
         pngs = images.column("image")
         for start in range(0, n, self.params.batch_size):  # decode one batch at a time: memory stays bounded
             pixels: dict[int, np.ndarray] = {}
             for i, png in enumerate(pngs.slice(start, self.params.batch_size).to_pylist(), start):
-                errors[i] = self._check(i, png, cols, pixels)
+                errors[i] = self._check(i, png, cols, pixels, ink)
                 if errors[i] is None:
                     boxes[i] = patch_boxes(cols["page_width"][i], cols["page_height"][i], geo.rows, geo.cols)
             if pixels:
@@ -139,10 +145,12 @@ class VisionPatches(Stage):
             "patch_features": tensor_column(features, valid, pa.float32()),
             "patch_boxes": tensor_column(boxes, valid, pa.float32()),
             "patch_grid": tensor_column(np.ascontiguousarray(grid), valid, pa.int16()),
+            "patch_ink": tensor_column(ink, valid, pa.float32()),
             "error": pa.array(errors, pa.string()),
         }, schema=schema)
 
-    def _check(self, i: int, png: bytes | None, cols: dict[str, list], pixels: dict[int, np.ndarray]) -> str | None:
+    def _check(self, i: int, png: bytes | None, cols: dict[str, list], pixels: dict[int, np.ndarray],
+               ink: np.ndarray) -> str | None:
         """Decode row ``i`` into ``pixels``; the error value when its page size or image is unusable."""
         where = f"page {cols['page'][i]} of {cols['source'][i] or cols['doc_id'][i]!r}"
         width, height = cols["page_width"][i], cols["page_height"][i]
@@ -150,7 +158,8 @@ class VisionPatches(Stage):
             return error_value("bad_page_size", f"{where} has page size {width} x {height} points; "
                                                 "pdf.render must report the page's width and height")
         try:
-            pixels[i] = load_page(png, self._size, self._mean, self._std)
+            pixels[i], stretched = load_page(png, self._size, self._mean, self._std)
+            ink[i] = patch_ink(stretched, self._geo.rows, self._geo.cols)
         except BadImage as exc:
             return error_value("bad_image", f"{where}: {exc}; re-render the page with pdf.render "
                                             "(its PNG is corrupt or truncated) or repair the source PDF")

@@ -10,13 +10,17 @@ import io
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from fusion.encoder import normalise, stretch
+
 
 class BadImage(ValueError):
     """The bytes are not a decodable image; the message says why."""
 
 
-def load_page(png: bytes | None, size: tuple[int, int], mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """``[3, H, W]`` float32 normalised pixels of ``png`` stretched to ``size`` = (H, W)."""
+def load_page(png: bytes | None, size: tuple[int, int], mean: tuple[float, ...],
+              std: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``[3, H, W]`` float32 normalised pixels of ``png`` stretched to ``size`` = (H, W), and the ``[H, W, 3]``
+    uint8 image they came from (for the ink measure)."""
     if not png:
         raise BadImage("the image is empty")
     try:
@@ -27,12 +31,8 @@ def load_page(png: bytes | None, size: tuple[int, int], mean: tuple[float, ...],
         raise BadImage("its bytes are not a PNG or any other image format PIL reads") from exc
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise BadImage(f"it does not decode as an image ({exc})") from exc
-    height, width = size
-    if rgb.size != (width, height):
-        rgb = rgb.resize((width, height), Image.Resampling.BICUBIC, reducing_gap=3.0)
-    pixels = np.asarray(rgb, dtype=np.float32) / 255.0
-    pixels = (pixels - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
-    return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+    stretched = stretch(rgb, size)
+    return normalise(stretched, mean, std), stretched
 
 
 def _on_white(img: Image.Image) -> Image.Image:

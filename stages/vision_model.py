@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch and timm are imported lazily: listing stages must not pay for them
     import torch
 
+Args = tuple[tuple[str, Any], ...]
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 HOW_TO_MAKE = (
     "train one with `docfuse train-fusion` (issue #5), or write an untrained one with "
@@ -39,36 +41,31 @@ class Geometry:
         return self.rows * self.cols
 
 
-def create(model: str, image_size: tuple[int, int], device: str | None = None) -> Any:
-    """A timm ViT with random weights, without its classifier, sized for ``image_size``; never downloads."""
-    import timm
-    import torch
+def create(model: str, image_size: tuple[int, int], device: str | None = None, args: Args = ()) -> Any:
+    """A timm ViT with random weights, without its classifier, sized for ``image_size``; never downloads.
 
-    if not timm.is_model(model):
-        raise ValueError(f"unknown timm model {model!r}; pick a ViT from `timm.list_models('vit_*')`, "
-                         "for example vit_tiny_patch16_224")
-    try:
-        with torch.device(device or "cpu"):
-            net = timm.create_model(model, pretrained=False, num_classes=0, img_size=tuple(image_size))
-    except TypeError as exc:
-        raise ValueError(f"timm model {model!r} does not take an image size, so it is not a ViT; "
-                         "pick one from `timm.list_models('vit_*')`") from exc
-    if not hasattr(net, "patch_embed") or not hasattr(net, "num_prefix_tokens") or not hasattr(net, "forward_features"):
-        raise ValueError(f"timm model {model!r} is not a ViT (no patch embedding / prefix tokens); "
-                         "pick one from `timm.list_models('vit_*')`")
-    return net
+    ``args``: architecture overrides as sorted ``(name, value)`` pairs (``depth``, ``embed_dim``, ...).
+    """
+    from fusion.encoder import build_vit
+
+    return build_vit(model, image_size, dict(args), device)
+
+
+def as_args(model_args: dict[str, Any] | None) -> Args:
+    """Hashable, order-free form of ``model_args`` (the cache key of ``geometry``)."""
+    return tuple(sorted((model_args or {}).items()))
 
 
 @functools.lru_cache(maxsize=32)
-def geometry(model: str, image_size: tuple[int, int]) -> Geometry:
+def geometry(model: str, image_size: tuple[int, int], args: Args = ()) -> Geometry:
     """Patch grid and width of ``model`` at ``image_size``, from a weightless (meta-device) copy."""
-    patch = _patch_size(model)
+    patch = _patch_size(model, args)
     height, width = image_size
     if height % patch[0] or width % patch[1] or height <= 0 or width <= 0:
         nearest = [max(1, round(height / patch[0])) * patch[0], max(1, round(width / patch[1])) * patch[1]]
         raise ValueError(f"image_size {list(image_size)} must be positive multiples of {model}'s patch size "
                          f"{list(patch)}, so that every patch is an exact rectangle of the page; for example {nearest}")
-    net = create(model, image_size, device="meta")
+    net = create(model, image_size, device="meta", args=args)
     rows, cols = net.patch_embed.grid_size
     if (rows, cols) != (height // patch[0], width // patch[1]):
         raise ValueError(f"timm built {model} with a {rows}x{cols} patch grid for image_size {list(image_size)}; "
@@ -78,8 +75,8 @@ def geometry(model: str, image_size: tuple[int, int]) -> Geometry:
 
 
 @functools.lru_cache(maxsize=32)
-def _patch_size(model: str) -> tuple[int, int]:
-    net = create(model, _default_size(model), device="meta")
+def _patch_size(model: str, args: Args = ()) -> tuple[int, int]:
+    net = create(model, _default_size(model), device="meta", args=args)
     size = net.patch_embed.patch_size
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
@@ -131,8 +128,14 @@ def read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
 
 
 def load_weights(net: Any, path: Path, model: str, image_size: tuple[int, int]) -> None:
-    """Copy the checkpoint into ``net``; every key and shape must match, nothing is skipped or resampled."""
+    """Copy the checkpoint into ``net``; every key and shape must match, nothing is skipped or resampled.
+
+    A fusion checkpoint (``docfuse train-fusion``) holds its ViT under ``vision.``; that part is used.
+    """
     state, metadata = read_state_dict(path)
+    if metadata.get("format") == "docfuse-fusion-1":
+        state = {k[len("vision."):]: v for k, v in state.items() if k.startswith("vision.")}
+        metadata = {**metadata, "model": metadata.get("vision_model", "")}
     expected = net.state_dict()
     made_for = f" (it was made for {metadata['model']})" if metadata.get("model") and metadata["model"] != model else ""
     missing = sorted(set(expected) - set(state))
@@ -171,7 +174,8 @@ def size_arg(image_size: tuple[int, int]) -> str:
 
 
 def init_checkpoint(path: str | Path, model: str = "vit_tiny_patch16_224", seed: int = 0,
-                    image_size: tuple[int, int] | list[int] = (224, 224)) -> Path:
+                    image_size: tuple[int, int] | list[int] = (224, 224),
+                    model_args: dict[str, Any] | None = None) -> Path:
     """Write a freshly initialised (untrained) ViT as safetensors: what tests use until issue #5 trains one.
 
     Deterministic for a given ``seed``; the global torch RNG is left as it was. ``image_size`` must be the
@@ -181,10 +185,10 @@ def init_checkpoint(path: str | Path, model: str = "vit_tiny_patch16_224", seed:
     from safetensors.torch import save_file
 
     size = (int(image_size[0]), int(image_size[1]))
-    geometry(model, size)  # validates the model name and the size before anything is written
+    geometry(model, size, as_args(model_args))  # validates the model name and the size before anything is written
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = create(model, size, device="cpu")
+        net = create(model, size, device="cpu", args=as_args(model_args))
     state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
     out = Path(path).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)

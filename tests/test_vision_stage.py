@@ -74,7 +74,7 @@ def test_registered_under_its_kind() -> None:
 def test_output_schema_follows_params() -> None:
     default = VisionPatches(checkpoint="unused.safetensors").output()
     assert default == VisionPatches.output_schema
-    assert default.names == ["doc_id", "source", "page", "patch_features", "patch_boxes", "patch_grid", "error"]
+    assert default.names == ["doc_id", "source", "page", "patch_features", "patch_boxes", "patch_grid", "patch_ink", "error"]
     features, boxes, grid = (default.field(n).type for n in ("patch_features", "patch_boxes", "patch_grid"))
     assert isinstance(features, pa.FixedShapeTensorType) and features.shape == [196, 192]
     assert features.value_type == pa.float32()
