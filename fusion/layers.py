@@ -65,6 +65,7 @@ class GatedCrossAttention(nn.Module):
         ungated read (``self.read``, [B, T, H]) is kept for the training's auxiliary loss.
         """
         if patches.shape[1] == 0 or (not self.training and self.is_identity):
+            self.read = None
             return x  # exactly the text-only stream
         b, t, _ = x.shape
         p = patches.shape[1]

@@ -74,8 +74,8 @@ class Fusion(nn.Module):
 
     def gates(self) -> dict[str, float]:
         """tanh of each gate: how much of each branch enters the stream."""
-        return {"attention": float(torch.tanh(self.cross.attn_gate)), "mlp": float(torch.tanh(self.cross.mlp_gate)),
-                "visual_tokens": float(torch.tanh(self.visual_gate))}
+        gates = {"attention": self.cross.attn_gate, "mlp": self.cross.mlp_gate, "visual_tokens": self.visual_gate}
+        return {name: float(torch.tanh(g.detach())) for name, g in gates.items()}
 
     def project(self, patch_feats: torch.Tensor) -> torch.Tensor:
         """ViT features [..., P, D] to the decoder's hidden size [..., P, H]."""

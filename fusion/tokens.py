@@ -84,7 +84,7 @@ def span_boxes(chars: np.ndarray, offsets: Sequence[tuple[int, int]]) -> np.ndar
     out = np.full((len(offsets), 4), -1.0, dtype=np.float32)
     for t, (start, end) in enumerate(offsets):
         part = chars[start:end]
-        part = part[part[:, 0] >= 0]
+        part = part[part[:, 2] >= 0]  # as coords.has_box: x0 may be clipped at a page edge
         if len(part):
             out[t] = (part[:, 0].min(), part[:, 1].min(), part[:, 2].max(), part[:, 3].max())
     return out

@@ -71,7 +71,7 @@ def train(decoder: Any, pages: Sequence[Prepared], config: TrainConfig, vision: 
     step = 0
     while True:
         step += 1
-        done = (time.perf_counter() - started) / config.time_budget_s if config.time_budget_s else step / config.steps
+        done = (time.perf_counter() - started) / config.time_budget_s if config.time_budget_s else (step - 1) / config.steps
         if done >= 1.0:
             break
         scale = min(1.0, step / max(1, config.warmup)) * 0.5 * (1 + math.cos(math.pi * done))
@@ -102,6 +102,7 @@ def train(decoder: Any, pages: Sequence[Prepared], config: TrainConfig, vision: 
             vit.train(), fusion.train()
             history.append({"step": step, "eval": report})
             log(f"eval @ {step}: {report}")
+    fusion.cross.read = None  # the last step's activation, graph and all
     return vit.eval(), fusion.eval(), history
 
 

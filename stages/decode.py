@@ -158,7 +158,7 @@ class DecodeGenerate(Stage):
         text = document_text(pages)
         if not text and not fused:
             return errors("no_text", f"none of the document's {len(pages)} page(s) has text; image-only pages "
-                                     "need OCR or a trained fusion stage before decode.generate")
+                                     "need OCR or the fusion stage (trained) before decode.generate")
         if self.session is None:
             self.setup()
         p = self.params

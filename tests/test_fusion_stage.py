@@ -1,0 +1,144 @@
+"""fusion.gate and its wiring: vision.patches with a fusion checkpoint, the fused Arrow column, decode from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from fusion import checkpoint
+from fusion.checkpoint import VisionSpec
+from pipelines.registry import find_stage
+from stages.decode import DecodeGenerate, fused_pages
+from stages.fuse import FusionGate, fused_rows
+from stages.models import shared_model
+from stages.pdf import PdfOpen, PdfRender, PdfText
+from stages.vision import VisionPatches
+from tests.pdf_fixtures import write_figures_doc
+
+SPEC = VisionSpec("vit_tiny_patch16_224", {"depth": 1, "embed_dim": 64, "num_heads": 1}, (128, 96))
+SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample.pdf"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return shared_model("default", "float32", "cpu")
+
+
+def make_checkpoint(path: Path, model, gates: float = 0.0, held_out: dict | None = None) -> Path:
+    vit, fusion = checkpoint.untrained(SPEC, model[0].config.hidden_size, seed=0)
+    with torch.no_grad():
+        for g in (fusion.cross.attn_gate, fusion.cross.mlp_gate, fusion.visual_gate):
+            g.fill_(gates)
+    extra = {"held_out": json.dumps(held_out)} if held_out else {}
+    return checkpoint.save(path, vit, fusion, SPEC, checkpoint.decoder_fingerprint(model[0].config), **extra)
+
+
+def upstream(pdf: Path, ckpt: Path) -> tuple[pa.Table, pa.Table]:
+    """pdf.text (layout) and vision.patches tables of one PDF, as pdf_qa builds them."""
+    sources = pa.table({"doc_id": ["d"], "source": [str(pdf)], "data": [pdf.read_bytes()], "error": pa.array([None], pa.string())})
+    opened = PdfOpen().run(sources)
+    text = PdfText(layout=True).run(opened)
+    images = PdfRender(dpi=96).run(opened)
+    patches = VisionPatches(checkpoint=str(ckpt), model=SPEC.model, model_args=SPEC.args,
+                            image_size=list(SPEC.image_size), device="cpu").run(images)
+    return text, patches
+
+
+def test_registered_and_pdf_qa_wires_it():
+    from pipelines.spec import Pipeline
+
+    assert find_stage("fusion.gate") is FusionGate
+    qa = Pipeline.from_yaml("pdf_qa")
+    assert qa.stages["fused"].stage == "fusion.gate" and qa.stages["answer"].inputs == ["fused"]
+
+
+def test_vision_patches_reads_a_fusion_checkpoint_and_measures_ink(tmp_path, model):
+    ckpt = make_checkpoint(tmp_path / "f.safetensors", model)
+    _, patches = upstream(SAMPLE, ckpt)
+    assert patches.column("error").null_count == patches.num_rows
+    ink = np.concatenate([c.to_numpy_ndarray() for c in patches.column("patch_ink").chunks])
+    assert ink.shape == (patches.num_rows, 8 * 6) and 0 < ink.max() <= 1 and ink.min() >= 0
+
+
+def test_gate_zero_rows_are_the_decoders_own_embeddings_bit_for_bit(tmp_path, model):
+    ckpt = make_checkpoint(tmp_path / "f.safetensors", model)
+    text, patches = upstream(SAMPLE, ckpt)
+    out = FusionGate(checkpoint=str(ckpt), apply="always").run(text, patches)
+    assert isinstance(out.schema.field("fused").type.value_type, pa.FixedShapeTensorType)
+    embed = model[0].get_input_embeddings()
+    for i, ids in enumerate(out.column("token_ids").to_pylist()):
+        with torch.no_grad():
+            expected = embed(torch.tensor(ids)).numpy()
+        assert np.array_equal(fused_rows(out.column("fused"), i), expected)
+    assert out.column("visual_tokens").to_pylist() == [0] * out.num_rows
+    # the column survives Parquet as a tensor column
+    pq.write_table(out, tmp_path / "f.parquet")
+    back = pq.read_table(tmp_path / "f.parquet")
+    assert np.array_equal(fused_rows(back.column("fused"), 0), fused_rows(out.column("fused"), 0))
+
+
+def test_open_gates_change_boxed_tokens_and_add_visual_tokens_for_figures(tmp_path, model):
+    ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5)
+    text, patches = upstream(write_figures_doc(tmp_path), ckpt)
+    out = FusionGate(checkpoint=str(ckpt), apply="always").run(text, patches)
+    assert set(out.column("fusion").to_pylist()) == {"fused"}
+    visual = out.column("visual_tokens").to_pylist()
+    assert sum(visual) > 0
+    embed = model[0].get_input_embeddings()
+    for i, ids in enumerate(out.column("token_ids").to_pylist()):
+        assert ids.count(-1) == visual[i]
+        rows = fused_rows(out.column("fused"), i)
+        text_rows = rows[np.array(ids) >= 0]
+        with torch.no_grad():
+            plain = embed(torch.tensor([t for t in ids if t >= 0])).numpy()
+        assert not np.array_equal(text_rows, plain)
+
+
+def test_auto_refuses_a_checkpoint_that_lost_to_text_only(tmp_path, model, caplog):
+    ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5,
+                           held_out={"masked_recovery_fused": 0.2, "masked_recovery_text_only": 0.3})
+    text, patches = upstream(SAMPLE, ckpt)
+    out = FusionGate(checkpoint=str(ckpt), apply="auto").run(text, patches)
+    assert all(w.startswith("text_only: the checkpoint's held-out masked recovery 0.200 is below") for w in
+               out.column("fusion").to_pylist())
+    assert "apply: always" in caplog.text
+    assert fused_pages(out) == {}  # decode then takes the plain text path
+
+
+def test_a_page_without_patches_stays_text_only_and_a_missing_checkpoint_is_named(tmp_path, model):
+    ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5)
+    text, patches = upstream(SAMPLE, ckpt)
+    out = FusionGate(checkpoint=str(ckpt), apply="always").run(text, patches.filter(pa.compute.equal(patches["page"], 0)))
+    assert out.column("fusion").to_pylist()[1:] == ["text_only: no patches for this page"] * (out.num_rows - 1)
+    with pytest.raises(ValueError, match="not found; make one with `docfuse train-fusion`"):
+        FusionGate(checkpoint=str(tmp_path / "nope.safetensors"), apply="always").setup()
+
+
+def test_decode_from_a_gate_zero_fused_stream_equals_the_text_path(tmp_path, model):
+    """The fused prefix (head + page markers + page rows) is the text path's prompt, token for token."""
+    ckpt = make_checkpoint(tmp_path / "f.safetensors", model)
+    text, patches = upstream(SAMPLE, ckpt)
+    out = FusionGate(checkpoint=str(ckpt), apply="always").run(text, patches)
+    question = {"question": "What is the monthly fee?"}
+    fused = DecodeGenerate(context=question, max_new_tokens=12).run(out)
+    plain = DecodeGenerate(context=question, max_new_tokens=12).run(text)
+    assert fused.column("prompt_tokens").to_pylist() == plain.column("prompt_tokens").to_pylist()
+    assert fused.column("answer").to_pylist() == plain.column("answer").to_pylist()
+    d = DecodeGenerate(context=question)
+    d.setup()
+    from runtime.prompt import document_text
+    from stages.decode import group_pages
+
+    ids, _ = d._fused_prefix(fused_pages_all(out)["d"], ["What is the monthly fee?"])
+    assert ids == list(d.session.prompt.prefix(document_text(group_pages(text)["d"]["pages"])).ids)
+
+
+def fused_pages_all(table: pa.Table) -> dict:
+    """fused_pages, with every page counted as fused (gate 0 says 'fused' too)."""
+    return fused_pages(table)
