@@ -64,7 +64,7 @@ class GatedCrossAttention(nn.Module):
         ``coords`` is the fusion's one coordinate embedding, shared with the patches and the visual tokens. The
         ungated read (``self.read``, [B, T, H]) is kept for the training's auxiliary loss.
         """
-        if patches.shape[1] == 0 or (not self.training and self.is_identity):
+        if patches.shape[1] == 0 or x.shape[1] == 0 or (not self.training and self.is_identity):
             self.read = None
             return x  # exactly the text-only stream
         b, t, _ = x.shape
@@ -95,6 +95,6 @@ class GatedCrossAttention(nn.Module):
         keep = own.unsqueeze(-1).to(dtype)  # tokens without a box (newlines, pipes) stay as they are
         read = self.o(attn) * keep
         self.read = read if self.training else None
-        y = x.to(dtype) + torch.tanh(self.attn_gate) * read
-        y = y + torch.tanh(self.mlp_gate) * self.mlp(self.mlp_norm(y)) * keep
-        return y.to(x.dtype)
+        delta = torch.tanh(self.attn_gate) * read
+        delta = delta + torch.tanh(self.mlp_gate) * self.mlp(self.mlp_norm(x.to(dtype) + delta)) * keep
+        return x + delta.to(x.dtype)  # in x's own precision: rows without a box come back bit for bit

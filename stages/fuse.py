@@ -45,6 +45,9 @@ class FusionGateParams(StageParams):
                                    "model), a `docfuse train-fusion` file, or null for text-only")
     model: str = Field("default", description="the decoder whose embedding space the stream is in: the same "
                                               "as decode.generate's model")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="the fusion's compute dtype on CPU: auto = bfloat16 where the CPU has it natively "
+                            "(about 1.8x faster), else float32; the stream stays float32")
     apply: Literal["auto", "always", "never"] = Field(
         "auto", description="auto: use the checkpoint only if it beat text-only on its held-out pages "
                             "(its own report); always; never (text-only)")
@@ -110,8 +113,10 @@ class FusionGate(Stage):
             log.warning("fusion.gate: %s; the pipeline runs text-only (set apply: always to use it anyway)",
                         self._why)
             return
-        self._fusion = fusion.to(self._embed.weight.dtype)
-        self._dtype = torch.float32
+        from runtime.loading import cpu_has_bf16
+
+        bf16 = p.dtype == "bfloat16" or (p.dtype == "auto" and self._device.type == "cpu" and cpu_has_bf16())
+        self._fusion = fusion.to(torch.bfloat16 if bf16 else torch.float32)
 
     def run(self, text: pa.Table, patches: pa.Table) -> pa.Table:
         if self._why is None and self._fusion is None:

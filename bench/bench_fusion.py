@@ -1,0 +1,128 @@
+"""Issue 5 figures: fusion gates, patches + fusion pages/s on CPU at 96 dpi, QA over image-only pages.
+
+    .venv/bin/python bench/bench_fusion.py [--pages 32] [--qa 10]
+
+- speed: synthetic pages (fusion.synth) rendered at 96 dpi; vision.patches with the shipped ViT (1024x768) and
+  fusion.gate (apply: always, so the fusion really runs) timed per page, after a warm-up; anchor: pdf.text
+  (layout) on the same pages in the same run.
+- qa: image-only pages (a fact drawn as an image, no text layer) through pdf_qa, text-only vs fusion forced on.
+- gates: tanh of each gate of the shipped checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pymupdf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import save  # noqa: E402
+from fusion import checkpoint  # noqa: E402
+from fusion.synth import make_corpus  # noqa: E402
+from stages.fuse import DEFAULT_CHECKPOINT, FusionGate  # noqa: E402
+from stages.pdf import PdfOpen, PdfRender, PdfText  # noqa: E402
+from stages.vision import VisionPatches  # noqa: E402
+
+CKPT = str(Path(__file__).resolve().parents[1] / DEFAULT_CHECKPOINT)
+
+
+def sources(paths: list[Path]) -> pa.Table:
+    return pa.table({"doc_id": [p.stem for p in paths], "source": [str(p) for p in paths],
+                     "data": [p.read_bytes() for p in paths], "error": pa.array([None] * len(paths), pa.string())})
+
+
+def patches_stage() -> VisionPatches:
+    spec = checkpoint.vision_spec(checkpoint.read_meta(CKPT))
+    return VisionPatches(checkpoint=CKPT, model=spec.model, model_args=spec.args, image_size=list(spec.image_size),
+                         device="cpu", batch_size=4)  # as pdf_qa.yaml
+
+
+def speed(n_pages: int, tmp: Path) -> dict:
+    made = make_corpus(tmp / "speed", (n_pages + 3) // 4, seed=7)
+    opened = PdfOpen().run(sources([Path(m["path"]) for m in made]))
+    text_stage, render = PdfText(layout=True), PdfRender(dpi=96)
+    t0 = time.perf_counter()
+    text = text_stage.run(opened)
+    text_s = time.perf_counter() - t0
+    images = render.run(opened)
+    patches, gate = patches_stage(), FusionGate(checkpoint=CKPT, apply="always")
+    patches.setup(), gate.setup()
+    gate.run(text.slice(0, 4), patches.run(images.slice(0, 4)))  # warm-up
+    t0 = time.perf_counter()
+    feats = patches.run(images)
+    t1 = time.perf_counter()
+    fused = gate.run(text, feats)
+    t2 = time.perf_counter()
+    pages = images.num_rows
+    assert fused.column("error").null_count == fused.num_rows
+    return {"pages": pages, "patches_pages_per_s": round(pages / (t1 - t0), 2),
+            "fusion_pages_per_s": round(pages / (t2 - t1), 2),
+            "patches_and_fusion_pages_per_s": round(pages / (t2 - t0), 2),
+            "anchor_pdf_text_pages_per_s": round(pages / text_s, 2),
+            "ratio_vs_pdf_text": round((t2 - t0) / text_s, 2),
+            "visual_tokens_per_page": round(sum(fused.column("visual_tokens").to_pylist()) / pages, 1)}
+
+
+def image_only_pdf(path: Path, fact: str) -> None:
+    """One page whose only content is a picture of ``fact`` and some filler: no text layer."""
+    src = pymupdf.open()
+    page = src.new_page(width=612, height=792)
+    page.insert_textbox(pymupdf.Rect(72, 72, 540, 720), "Service report\n\n" + fact + "\n\n"
+                        + "The review covered the usual items and found nothing else of note. " * 6, fontsize=12)
+    png = page.get_pixmap(dpi=150).tobytes("png")
+    doc = pymupdf.open()
+    doc.new_page(width=612, height=792).insert_image(pymupdf.Rect(0, 0, 612, 792), stream=io.BytesIO(png).getvalue())
+    doc.save(path)
+
+
+def qa(n: int, tmp: Path) -> dict:
+    from pipelines import Pipeline
+
+    rng = random.Random(3)
+    cases = []
+    for i in range(n):
+        number = rng.randint(10000, 99999)
+        path = tmp / f"scan-{i}.pdf"
+        image_only_pdf(path, f"The account number is {number}.")
+        cases.append((path, str(number)))
+    out = {}
+    for name, apply in (("text_only", "never"), ("fusion", "always")):
+        qa_pipe = Pipeline.from_yaml("pdf_qa")
+        qa_pipe.set("params.question", "What is the account number?")
+        qa_pipe.set("fused.apply", apply)
+        qa_pipe.set("answer.max_new_tokens", 24)
+        report = qa_pipe.run([str(p) for p, _ in cases])
+        rows = report.tables["answer"].to_pylist()
+        by_source = {r["source"]: r for r in rows}
+        right = sum(1 for p, number in cases if number in (by_source[str(p)]["answer"] or ""))
+        errors = sum(1 for r in rows if r["error"])
+        out[name] = {"right": right, "of": n, "error_rows": errors,
+                     "examples": [(by_source[str(p)]["answer"] or by_source[str(p)]["error"])[:80] for p, _ in cases[:3]]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pages", type=int, default=32)
+    ap.add_argument("--qa", type=int, default=10)
+    args = ap.parse_args()
+    _, fusion, _, meta = checkpoint.load(CKPT)
+    result = {"checkpoint": DEFAULT_CHECKPOINT, "gates": fusion.gates(), "held_out": meta.get("held_out")}
+    with tempfile.TemporaryDirectory() as tmp:
+        result["speed"] = speed(args.pages, Path(tmp))
+        print(result["speed"], flush=True)
+        result["qa_image_only"] = qa(args.qa, Path(tmp))
+    result["command"] = f".venv/bin/python bench/bench_fusion.py --pages {args.pages} --qa {args.qa}"
+    print(result)
+    print("->", save("fusion", result))
+
+
+if __name__ == "__main__":
+    main()
