@@ -142,3 +142,36 @@ def test_decode_from_a_gate_zero_fused_stream_equals_the_text_path(tmp_path, mod
 def fused_pages_all(table: pa.Table) -> dict:
     """fused_pages, with every page counted as fused (gate 0 says 'fused' too)."""
     return fused_pages(table)
+
+
+# ---------------------------------------------------------------- the CLI
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_eval_fusion_prints_the_json_the_issue_names(tmp_path):
+    from fusion.synth import make_pdf
+
+    pdf = make_pdf(tmp_path / "held.pdf", seed=11, pages=1)["path"]
+    result = _cli("eval-fusion", pdf, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    assert {"masked_recovery_fused", "masked_recovery_text_only", "pages"} <= set(report)
+    assert report["pages"] == 1 and 0 <= report["masked_recovery_fused"] <= 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train-fusion", "--out", "x.safetensors", "--synthetic", "0"], "nothing to train on"),
+    (["train-fusion", "--out", "x.pt"], "written as safetensors"),
+    (["train-fusion", "--out", "x.safetensors", "--corpus", "no/such/dir"], "no PDF found"),
+    (["eval-fusion", "no/such.pdf"], "no PDF found"),
+    (["eval-fusion", "data/sample.pdf", "--checkpoint", "none.safetensors"], "not found; make one"),
+])
+def test_fusion_commands_refuse_bad_input_with_the_fix(args, message):
+    result = _cli(*args)
+    assert result.exit_code == 2 and message in result.output, result.output
