@@ -206,7 +206,9 @@ class DecodeGenerate(Stage):
         for n, (page, (page_ids, rows)) in enumerate(fused):
             lead = encode(("\n\n" if n else "") + f"{page_marker(page)}\n")
             ids += lead + [max(i, 0) for i in page_ids]
-            parts += [embed(torch.tensor(lead, device=session.device)), torch.from_numpy(rows).to(session.device)]
+            page_rows = embed(torch.tensor(page_ids, device=session.device)) if rows is None else \
+                torch.from_numpy(rows).to(session.device)  # a text-only page: the decoder's own embeddings
+            parts += [embed(torch.tensor(lead, device=session.device)), page_rows]
         reserve = max(len(session.prompt.suffix(q)) for q in prompts) + p.max_new_tokens
         if len(ids) + reserve > session.limit:
             if p.truncate == "none" or session.limit - reserve <= len(head):
@@ -230,7 +232,8 @@ def fused_pages(table: pa.Table) -> dict[str, list[tuple[int, Any]]]:
         if not ids:
             continue
         applied.update([doc] if how == "fused" else [])
-        docs.setdefault(doc, []).append((page or 0, (ids, fused_rows(column, i))))
+        rows = fused_rows(column, i) if column[i].is_valid else None
+        docs.setdefault(doc, []).append((page or 0, (ids, rows)))
     return {d: sorted(pages, key=lambda x: x[0]) for d, pages in docs.items() if d in applied}
 
 

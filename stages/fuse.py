@@ -3,7 +3,8 @@
 One row per page: the page text's token ids and, per token (plus any pooled visual tokens of word-free regions),
 the decoder input embedding, as a list of fixed-shape tensors. decode.generate prefills those embeddings instead
 of the token ids. Without a usable checkpoint (none given, none found, or one that lost to text-only on its
-held-out pages, see ``apply``) the rows are the decoder's own token embeddings: the text-only stream, bit for bit.
+held-out pages, see ``apply``) a page is text-only: ``fused`` is null, ``fusion`` says why, and the decoder embeds
+``token_ids`` itself, which is the text-only stream bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from stages import schemas
 log = logging.getLogger(__name__)
 DEFAULT_CHECKPOINT = "data/fusion/smollm2-135m-instruct.safetensors"
 TEXT_COLUMNS = ("doc_id", "source", "page", "text", "image_only", "page_width", "page_height", "words")
-PATCH_COLUMNS = ("doc_id", "page", "patch_features", "patch_boxes", "patch_grid", "patch_ink")
+#: Errors of pdf.render / vision.patches that concern only a page's picture, not its text.
+IMAGE_ONLY_ERRORS = {"page_too_large", "bad_image", "bad_page_size"}
 
 
 def fused_schema(hidden: int) -> pa.Schema:
@@ -118,6 +120,22 @@ class FusionGate(Stage):
         bf16 = p.dtype == "bfloat16" or (p.dtype == "auto" and self._device.type == "cpu" and cpu_has_bf16())
         self._fusion = fusion.to(torch.bfloat16 if bf16 else torch.float32)
 
+    def pass_errors(self, errors: pa.Table) -> pa.Table:
+        """Upstream errors, once each; a page that only lost its image (too large, bad PNG) is no error here:
+        its text row goes on text-only."""
+        from pipelines.stage import conform
+
+        keep, seen = [], set()
+        n = errors.num_rows
+        pages = errors.column("page").to_pylist() if "page" in errors.column_names else [None] * n
+        for i, (doc, page, error) in enumerate(zip(errors.column("doc_id").to_pylist(), pages,
+                                                   errors.column("error").to_pylist())):
+            if error.split(":", 1)[0] in IMAGE_ONLY_ERRORS or (doc, page, error) in seen:
+                continue
+            seen.add((doc, page, error))
+            keep.append(i)
+        return conform(errors.take(pa.array(keep, pa.int64())), self.output())
+
     def run(self, text: pa.Table, patches: pa.Table) -> pa.Table:
         if self._why is None and self._fusion is None:
             self.setup()
@@ -153,7 +171,8 @@ class FusionGate(Stage):
                 token_ids[fused.text_index.cpu().numpy()] = tok.ids
             else:
                 token_ids = tok.ids.astype(np.int32)
-        return {**row, "token_ids": token_ids.tolist(), "fused": embeds.float().cpu().numpy(),
+        # a text-only page carries no rows: they would only repeat the decoder's embedding table (1.4 MB a page)
+        return {**row, "token_ids": token_ids.tolist(), "fused": None if why else embeds.float().cpu().numpy(),
                 "visual_tokens": visual, "fusion": why or "fused"}
 
 

@@ -108,6 +108,7 @@ def test_auto_refuses_a_checkpoint_that_lost_to_text_only(tmp_path, model, caplo
     assert all(w.startswith("text_only: the checkpoint's held-out masked recovery 0.200 is below") for w in
                out.column("fusion").to_pylist())
     assert "apply: always" in caplog.text
+    assert out.column("fused").null_count == out.num_rows  # text-only pages carry no embedding rows
     assert fused_pages(out) == {}  # decode then takes the plain text path
 
 
@@ -175,3 +176,16 @@ def test_eval_fusion_prints_the_json_the_issue_names(tmp_path):
 def test_fusion_commands_refuse_bad_input_with_the_fix(args, message):
     result = _cli(*args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_pdf_qa_answers_a_document_whose_pages_are_too_large_to_render_text_only(tmp_path):
+    """A render error concerns the picture only: one answer row per question, no error row."""
+    from pipelines import Pipeline
+
+    qa = Pipeline.from_yaml("pdf_qa")
+    qa.set("params.question", "What is the monthly fee?")
+    qa.set("render.max_pixels", 1000)
+    qa.set("render.min_dpi", 50)
+    qa.set("answer.max_new_tokens", 12)
+    rows = qa.run([str(SAMPLE)]).tables["answer"].to_pylist()
+    assert len(rows) == 1 and rows[0]["error"] is None and rows[0]["answer"]
