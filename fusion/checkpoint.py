@@ -95,11 +95,14 @@ def load(path: str | Path, decoder: str | None = None, device: str = "cpu") -> t
     return vit.eval(), fusion.eval(), spec, meta
 
 
-def untrained(vision: VisionSpec, hidden: int, seed: int = 0) -> tuple[Any, Fusion]:
-    """A fresh (seeded) ViT and fusion for ``vision`` and a decoder of ``hidden`` size: gates at 0, text-only."""
+def untrained(vision: VisionSpec, hidden: int, seed: int = 0, **sizes: int) -> tuple[Any, Fusion]:
+    """A fresh (seeded) ViT and fusion for ``vision`` and a decoder of ``hidden`` size: gates at 0, text-only.
+
+    ``sizes`` override FusionConfig fields (``mlp_hidden=0``: no MLP branch)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         vit = vision.build("cpu")
         rows, cols = vit.patch_embed.grid_size
-        fusion = Fusion(FusionConfig(hidden=hidden, vision_dim=int(vit.num_features), grid_rows=rows, grid_cols=cols))
+        fusion = Fusion(FusionConfig(hidden=hidden, vision_dim=int(vit.num_features), grid_rows=rows, grid_cols=cols,
+                                     **sizes))
     return vit, fusion

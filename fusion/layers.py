@@ -46,8 +46,10 @@ class GatedCrossAttention(nn.Module):
         # per head: how far toward the next token its centre sits, and how steeply distance costs
         self.lookahead = nn.Parameter(torch.linspace(-2.0, 2.0, heads))
         self.distance_scale = nn.Parameter(torch.zeros(heads))
-        self.mlp_norm = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_hidden), nn.GELU(), nn.Linear(mlp_hidden, hidden))
+        # mlp_hidden 0: no MLP branch (on the shipped checkpoint that branch is what costs held-out recovery)
+        self.mlp_norm = nn.LayerNorm(hidden) if mlp_hidden else None
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_hidden), nn.GELU(), nn.Linear(mlp_hidden, hidden)) \
+            if mlp_hidden else None
         self.attn_gate = nn.Parameter(torch.zeros(()))
         self.mlp_gate = nn.Parameter(torch.zeros(()))
         self.read: torch.Tensor | None = None
@@ -96,5 +98,6 @@ class GatedCrossAttention(nn.Module):
         read = self.o(attn) * keep
         self.read = read if self.training else None
         delta = torch.tanh(self.attn_gate) * read
-        delta = delta + torch.tanh(self.mlp_gate) * self.mlp(self.mlp_norm(x.to(dtype) + delta)) * keep
+        if self.mlp is not None:
+            delta = delta + torch.tanh(self.mlp_gate) * self.mlp(self.mlp_norm(x.to(dtype) + delta)) * keep
         return x + delta.to(x.dtype)  # in x's own precision: rows without a box come back bit for bit

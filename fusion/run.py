@@ -155,13 +155,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=None, help="training time budget (overrides --steps)")
+    ap.add_argument("--mlp-hidden", type=int, default=1024, help="width of the gated MLP branch; 0 = none")
     args = ap.parse_args(argv)
     if args.verb == "pack":
         print(pack(args.src, args.out))
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     decoder, tokenizer = load_decoder(args.model, device)
-    config = TrainConfig(steps=args.steps, batch_pages=args.batch, seed=args.seed,
+    config = TrainConfig(steps=args.steps, batch_pages=args.batch, seed=args.seed, mlp_hidden=args.mlp_hidden,
                          time_budget_s=args.minutes * 60 if args.minutes else None)
     summary = train_from_pdfs(decoder, tokenizer, corpus=args.corpus, eval_corpus=args.eval_corpus, out=args.out,
                               config=config, synthetic_docs=args.synthetic, workers=args.workers,

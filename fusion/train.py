@@ -40,6 +40,7 @@ class TrainConfig:
     visible_weight: float = 0.6   # loss weight of tokens that stay visible (keep good text as it was)
     caption_weight: float = 0.5
     aux_weight: float = 0.5       # the auxiliary read loss (see objective_loss)
+    mlp_hidden: int = 1024        # the gated MLP branch's width; 0 = none
     seed: int = 0
     #: stop after this many seconds of training (the schedule follows time, not steps); None: ``steps`` decide
     time_budget_s: float | None = None
@@ -53,7 +54,7 @@ def train(decoder: Any, pages: Sequence[Prepared], config: TrainConfig, vision: 
     for p in decoder.parameters():
         p.requires_grad_(False)
     decoder.eval()
-    vit, fusion = untrained(vision, decoder.config.hidden_size, config.seed)
+    vit, fusion = untrained(vision, decoder.config.hidden_size, config.seed, mlp_hidden=config.mlp_hidden)
     vit, fusion = vit.to(device).train(), fusion.to(device).train()
     embed = decoder.get_input_embeddings()
     rows, cols = vit.patch_embed.grid_size

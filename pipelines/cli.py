@@ -256,6 +256,7 @@ def train_fusion(
     minutes: Annotated[Optional[float], typer.Option(help="Training time budget; overrides --steps.")] = None,
     batch: Annotated[int, typer.Option(help="Pages per step.")] = 16,
     workers: Annotated[int, typer.Option(help="Processes that read and render PDFs.")] = 1,
+    mlp_hidden: Annotated[int, typer.Option(help="Width of the gated MLP branch; 0 = none.")] = 1024,
 ) -> None:
     """Train a fusion checkpoint (ViT + gated cross-attention) against the frozen decoder; GPU when present."""
     if out.suffix != ".safetensors":
@@ -269,7 +270,8 @@ def train_fusion(
     from runtime.loading import load_model
 
     lm, tokenizer = load_model(model, dtype="float32" if not _cuda() else "bfloat16")
-    config = TrainConfig(steps=steps, batch_pages=batch, time_budget_s=minutes * 60 if minutes else None)
+    config = TrainConfig(steps=steps, batch_pages=batch, time_budget_s=minutes * 60 if minutes else None,
+                         mlp_hidden=mlp_hidden)
     try:
         summary = train_from_pdfs(lm, tokenizer, corpus=train_set, eval_corpus=held_out, out=out, config=config,
                                   synthetic_docs=synthetic, workers=workers,

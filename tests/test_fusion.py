@@ -514,3 +514,20 @@ def test_train_runs_the_configured_number_of_steps(decoder, synthetic_pages) -> 
                                log=lambda _: None)
     assert [h["step"] for h in history if "loss" in h] == [1]
     assert any(g != 0.0 for g in fusion.gates().values())
+
+
+def test_a_fusion_without_the_mlp_branch_trains_saves_and_loads(tmp_path) -> None:
+    vit, fusion = checkpoint.untrained(SPEC, HIDDEN, mlp_hidden=0)
+    assert fusion.cross.mlp is None
+    x, boxes = torch.randn(5, HIDDEN), torch.tensor([[10.0, 10, 50, 30]] * 4 + [[-1.0] * 4])
+    feats = torch.randn(ROWS * COLS, 64)
+    patch_boxes = patch_grid_boxes(ROWS, COLS)
+    fusion.eval()
+    assert torch.equal(fusion.fuse_page(x, boxes, feats, patch_boxes).embeds, x)
+    with torch.no_grad():
+        fusion.cross.attn_gate.fill_(0.5)
+    y = fusion.fuse_page(x, boxes, feats, patch_boxes).embeds
+    assert not torch.equal(y[:4], x[:4]) and torch.equal(y[4], x[4])
+    path = checkpoint.save(tmp_path / "f.safetensors", vit, fusion, SPEC, "d", dtype=torch.float32)
+    _, back, _, _ = checkpoint.load(path)
+    assert back.cross.mlp is None and torch.equal(back.fuse_page(x, boxes, feats, patch_boxes).embeds, y)
