@@ -69,21 +69,22 @@ class ChatPrompt:
     def __post_init__(self) -> None:
         self._head, self._between, self._tail = _split_template(self.tokenizer, self.system)
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens (the template carries them)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
 
     def prefix(self, document: str) -> DocumentPrefix:
         """Prompt tokens up to the end of the document: identical for every question on it."""
-        head = self._encode(self._head)
-        return DocumentPrefix(tuple(head + self._encode(document)), body_start=len(head))
+        head = self.encode(self._head)
+        return DocumentPrefix(tuple(head + self.encode(document)), body_start=len(head))
 
     def suffix(self, question: str) -> list[int]:
         """Prompt tokens after the document: the question and the assistant turn's opening."""
-        return self._encode(self._between + question.strip() + self._tail)
+        return self.encode(self._between + question.strip() + self._tail)
 
     def elision(self) -> list[int]:
         """Tokens that mark where ``head_tail`` truncation cut the document."""
-        return self._encode(_ELISION)
+        return self.encode(_ELISION)
 
 
 def _split_template(tokenizer: Any, system: str | None) -> tuple[str, str, str]:

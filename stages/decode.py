@@ -200,7 +200,7 @@ class DecodeGenerate(Stage):
 
         session, p = self.session, self.params
         embed = session.model.get_input_embeddings()
-        encode = session.prompt._encode
+        encode = session.prompt.encode
         head = list(session.prompt.prefix("").ids)
         ids, parts = list(head), [embed(torch.tensor(head, device=session.device))]
         for n, (page, (page_ids, rows)) in enumerate(fused):
