@@ -189,3 +189,16 @@ def test_pdf_qa_answers_a_document_whose_pages_are_too_large_to_render_text_only
     qa.set("answer.max_new_tokens", 12)
     rows = qa.run([str(SAMPLE)]).tables["answer"].to_pylist()
     assert len(rows) == 1 and rows[0]["error"] is None and rows[0]["answer"]
+
+
+def test_pdf_qa_with_its_rejected_checkpoint_answers_exactly_as_pdf_qa_text():
+    from pipelines import Pipeline
+
+    answers = []
+    for name in ("pdf_qa", "pdf_qa_text"):
+        qa = Pipeline.from_yaml(name)
+        qa.set("params.question", "What is the monthly fee?")
+        qa.set("answer.max_new_tokens", 16)
+        rows = qa.run([str(SAMPLE)]).tables["answer"].to_pylist()
+        answers.append([(r["answer"], r["prompt_tokens"], r["error"]) for r in rows])
+    assert answers[0] == answers[1] and answers[0][0][2] is None
