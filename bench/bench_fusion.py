@@ -38,13 +38,13 @@ def sources(paths: list[Path]) -> pa.Table:
                      "data": [p.read_bytes() for p in paths], "error": pa.array([None] * len(paths), pa.string())})
 
 
-def patches_stage() -> VisionPatches:
+def patches_stage(dtype: str = "float32") -> VisionPatches:
     spec = checkpoint.vision_spec(checkpoint.read_meta(CKPT))
     return VisionPatches(checkpoint=CKPT, model=spec.model, model_args=spec.args, image_size=list(spec.image_size),
-                         device="cpu", batch_size=4)  # as pdf_qa.yaml
+                         device="cpu", batch_size=4, dtype=dtype)  # batch as pdf_qa.yaml
 
 
-def speed(n_pages: int, tmp: Path) -> dict:
+def speed(n_pages: int, tmp: Path, vit_dtype: str = "float32") -> dict:
     made = make_corpus(tmp / "speed", (n_pages + 3) // 4, seed=7)
     opened = PdfOpen().run(sources([Path(m["path"]) for m in made]))
     text_stage, render = PdfText(layout=True), PdfRender(dpi=96)
@@ -52,7 +52,7 @@ def speed(n_pages: int, tmp: Path) -> dict:
     text = text_stage.run(opened)
     text_s = time.perf_counter() - t0
     images = render.run(opened)
-    patches, gate = patches_stage(), FusionGate(checkpoint=CKPT, apply="always")
+    patches, gate = patches_stage(vit_dtype), FusionGate(checkpoint=CKPT, apply="always")
     patches.setup(), gate.setup()
     gate.run(text.slice(0, 4), patches.run(images.slice(0, 4)))  # warm-up
     t0 = time.perf_counter()
@@ -62,7 +62,7 @@ def speed(n_pages: int, tmp: Path) -> dict:
     t2 = time.perf_counter()
     pages = images.num_rows
     assert fused.column("error").null_count == fused.num_rows
-    return {"pages": pages, "patches_pages_per_s": round(pages / (t1 - t0), 2),
+    return {"pages": pages, "vit_dtype": vit_dtype, "patches_pages_per_s": round(pages / (t1 - t0), 2),
             "fusion_pages_per_s": round(pages / (t2 - t1), 2),
             "patches_and_fusion_pages_per_s": round(pages / (t2 - t0), 2),
             "anchor_pdf_text_pages_per_s": round(pages / text_s, 2),
@@ -111,8 +111,16 @@ def qa(n: int, tmp: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=32)
-    ap.add_argument("--qa", type=int, default=10)
+    ap.add_argument("--qa", type=int, default=10, help="0: speed only (both ViT dtypes), saved as fusion_speed")
     args = ap.parse_args()
+    if args.qa == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = [speed(args.pages, Path(tmp) / d, d) for d in ("float32", "bfloat16", "float32", "bfloat16")]
+        for r in runs:
+            print(r)
+        print("->", save("fusion_speed", {"runs": runs, "command": f".venv/bin/python bench/bench_fusion.py "
+                                                                  f"--pages {args.pages} --qa 0"}))
+        return
     _, fusion, _, meta = checkpoint.load(CKPT)
     result = {"checkpoint": DEFAULT_CHECKPOINT, "gates": fusion.gates(), "held_out": meta.get("held_out")}
     with tempfile.TemporaryDirectory() as tmp:
