@@ -6,6 +6,7 @@ it was trained against (a fingerprint: a fusion fits only the embedding space it
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,17 @@ class VisionSpec:
 
     def build(self, device: str | None = None) -> Any:
         return build_vit(self.model, self.image_size, self.args, device)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The ViT's patch grid (rows, cols) at this input size, from a weightless copy."""
+        return _grid(self.model, tuple(self.image_size), tuple(sorted(self.args.items())))
+
+
+@functools.lru_cache(maxsize=8)
+def _grid(model: str, image_size: tuple[int, int], args: tuple) -> tuple[int, int]:
+    rows, cols = build_vit(model, image_size, dict(args), "meta").patch_embed.grid_size
+    return int(rows), int(cols)
 
 
 def decoder_fingerprint(config: Any) -> str:

@@ -14,6 +14,7 @@ from PIL import Image
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+GRID = 1000.0  # the page grid models see (fusion.tokens.GRID)
 INK_LEVEL = 0.8  # a pixel darker than this (0 black .. 1 white) is ink
 
 
@@ -62,6 +63,16 @@ def normalise(pixels: np.ndarray, mean: tuple[float, ...] = IMAGENET_MEAN,
     x = pixels.astype(np.float32) / 255.0
     x = (x - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+
+def patch_grid(rows: int, cols: int) -> np.ndarray:
+    """``[rows*cols, 4]`` float32 patch boxes x0, y0, x1, y1 on the 0-1000 page grid, row-major (a ViT's order);
+    edges rounded to whole grid units. The same for every page, and the same at training and at inference."""
+    xs = np.rint(np.linspace(0.0, GRID, cols + 1))
+    ys = np.rint(np.linspace(0.0, GRID, rows + 1))
+    x0, y0 = np.meshgrid(xs[:-1], ys[:-1])
+    x1, y1 = np.meshgrid(xs[1:], ys[1:])
+    return np.stack([x0, y0, x1, y1], axis=-1).reshape(-1, 4).astype(np.float32)
 
 
 def patch_ink(pixels: np.ndarray, rows: int, cols: int) -> np.ndarray:

@@ -10,7 +10,8 @@ import torch
 
 from fusion.data import PageSample
 from fusion.objective import PageTensors
-from fusion.tokens import GRID, tokenize_page
+from fusion.encoder import patch_grid
+from fusion.tokens import tokenize_page
 
 
 @dataclass
@@ -40,9 +41,5 @@ def prepare(sample: PageSample, tokenizer: Any, max_tokens: int) -> Prepared | N
 
 
 def patch_grid_boxes(rows: int, cols: int) -> torch.Tensor:
-    """[rows*cols, 4] grid boxes of the patches, row-major (as stages.vision_geometry.patch_grid)."""
-    xs = torch.linspace(0.0, GRID, cols + 1).round()
-    ys = torch.linspace(0.0, GRID, rows + 1).round()
-    y0, x0 = torch.meshgrid(ys[:-1], xs[:-1], indexing="ij")
-    y1, x1 = torch.meshgrid(ys[1:], xs[1:], indexing="ij")
-    return torch.stack([x0, y0, x1, y1], dim=-1).reshape(-1, 4)
+    """[rows*cols, 4] grid boxes of the patches, row-major (fusion.encoder.patch_grid, as vision.patches writes)."""
+    return torch.from_numpy(patch_grid(rows, cols))

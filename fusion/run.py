@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from fusion.checkpoint import VisionSpec
 from fusion.data import PageSample, read_pdf
 from fusion.evaluate import masked_recovery
 from fusion.prepare import Prepared, prepare
-from fusion.train import DEFAULT_VISION, TrainConfig, config_dict, train
+from fusion.train import DEFAULT_VISION, TrainConfig, train
 
 MAX_TOKENS = 512  # tokens of a page used in training and evaluation (a page of prose is ~400-700)
 
@@ -39,9 +40,8 @@ def pdf_files(paths: Sequence[str | Path]) -> list[Path]:
 
 def _read(args: tuple) -> list[PageSample]:
     path, vision, truths = args
-    grid = (vision.image_size[0] // 16, vision.image_size[1] // 16)
     try:
-        return read_pdf(path, vision.image_size, grid, vision.dpi, truths=truths)
+        return read_pdf(path, vision.image_size, vision.grid, vision.dpi, truths=truths)
     except Exception:  # noqa: BLE001 - an unreadable PDF (corrupt, encrypted) is left out of the data
         return []
 
@@ -92,7 +92,7 @@ def train_from_pdfs(decoder: Any, tokenizer: Any, *, corpus: Sequence[str | Path
                                  eval_every=500)
     report = masked_recovery(decoder, vit, fusion, eval_pages, mask_rate=config.mask_rate) if eval_pages else {}
     checkpoint.save(out, vit, fusion, vision, checkpoint.decoder_fingerprint(decoder.config), command=command,
-                    trained="true", train_pages=str(len(pages)), config=json.dumps(config_dict(config)),
+                    trained="true", train_pages=str(len(pages)), config=json.dumps(asdict(config)),
                     held_out=json.dumps({k: v for k, v in report.items() if k != "gates"}))
     summary = {"checkpoint": str(out), "train_pages": len(pages), "eval_pages": len(eval_pages),
                "eval_sources": sorted({p.source for p in eval_pages}), "held_out": report,
@@ -114,19 +114,14 @@ def evaluate_pdfs(decoder: Any, tokenizer: Any, ckpt: Path, pdfs: Sequence[str |
 
 def pack(src: Path, out: Path) -> Path:
     """Re-save a checkpoint in fp16 with its training report's held-out figures in the metadata (what data/ ships)."""
-    from safetensors import safe_open
-
     vit, fusion, vision, meta = checkpoint.load(src)
     report = src.with_suffix(".json")
     held = json.loads(report.read_text())["held_out"] if report.is_file() else {}
-    with safe_open(str(src), framework="pt") as fh:
-        meta = dict(fh.metadata() or {})
-    meta.pop("format", None)
-    for key in ("fusion_config", "vision_model", "vision_args", "image_size", "dpi", "decoder"):
-        meta.pop(key, None)
-    meta["held_out"] = json.dumps({k: v for k, v in held.items() if k != "gates"})
-    decoder = checkpoint.read_meta(src)["decoder"]
-    return checkpoint.save(out, vit, fusion, vision, decoder, **meta)
+    # save() writes these itself; the rest (command, config, ...) is carried over
+    extra = {k: v for k, v in meta.items() if k not in ("format", "fusion_config", "vision_model", "vision_args",
+                                                          "image_size", "dpi", "decoder")}
+    extra["held_out"] = json.dumps({k: v for k, v in held.items() if k != "gates"})
+    return checkpoint.save(out, vit, fusion, vision, meta["decoder"], **extra)
 
 
 def load_decoder(name: str, device: str) -> tuple[Any, Any]:

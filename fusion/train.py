@@ -134,5 +134,3 @@ def objective_loss(logits: torch.Tensor, pages: list[PageTargets], captions: lis
     return loss, hits, n_hidden
 
 
-def config_dict(config: TrainConfig) -> dict:
-    return asdict(config)

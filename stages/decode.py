@@ -189,32 +189,27 @@ class DecodeGenerate(Stage):
         """Prompt head + per page (marker, fused rows), pages joined as document_text joins them."""
         import torch
 
-        with torch.inference_mode():
-            return self._fused_rows(fused, prompts)
-
-    def _fused_rows(self, fused: list[tuple[int, Any]], prompts: list[str]) -> tuple[list[int], Any]:
-        import torch
-
         from runtime.prompt import page_marker
         from runtime.session import ContextTooLong
 
-        session, p = self.session, self.params
-        embed = session.model.get_input_embeddings()
-        encode = session.prompt.encode
-        head = list(session.prompt.prefix("").ids)
-        ids, parts = list(head), [embed(torch.tensor(head, device=session.device))]
-        for n, (page, (page_ids, rows)) in enumerate(fused):
-            lead = encode(("\n\n" if n else "") + f"{page_marker(page)}\n")
-            ids += lead + [max(i, 0) for i in page_ids]
-            page_rows = embed(torch.tensor(page_ids, device=session.device)) if rows is None else \
-                torch.from_numpy(rows).to(session.device)  # a text-only page: the decoder's own embeddings
-            parts += [embed(torch.tensor(lead, device=session.device)), page_rows]
-        reserve = max(len(session.prompt.suffix(q)) for q in prompts) + p.max_new_tokens
-        if len(ids) + reserve > session.limit:
-            if p.truncate == "none" or session.limit - reserve <= len(head):
-                raise ContextTooLong(len(ids), reserve, session.limit)
-            ids = ids[:session.limit - reserve]  # head (and head_tail) keep the beginning of a fused stream
-        return ids, torch.cat(parts)[:len(ids)]
+        with torch.inference_mode():  # embedding lookups only: no autograd graph
+            session, p = self.session, self.params
+            embed = session.model.get_input_embeddings()
+            encode = session.prompt.encode
+            head = list(session.prompt.prefix("").ids)
+            ids, parts = list(head), [embed(torch.tensor(head, device=session.device))]
+            for n, (page, (page_ids, rows)) in enumerate(fused):
+                lead = encode(("\n\n" if n else "") + f"{page_marker(page)}\n")
+                ids += lead + [max(i, 0) for i in page_ids]
+                page_rows = embed(torch.tensor(page_ids, device=session.device)) if rows is None else \
+                    torch.from_numpy(rows).to(session.device)  # a text-only page: the decoder's own embeddings
+                parts += [embed(torch.tensor(lead, device=session.device)), page_rows]
+            reserve = max(len(session.prompt.suffix(q)) for q in prompts) + p.max_new_tokens
+            if len(ids) + reserve > session.limit:
+                if p.truncate == "none" or session.limit - reserve <= len(head):
+                    raise ContextTooLong(len(ids), reserve, session.limit)
+                ids = ids[:session.limit - reserve]  # head (and head_tail) keep the beginning of a fused stream
+            return ids, torch.cat(parts)[:len(ids)]
 
 
 def fused_pages(table: pa.Table) -> dict[str, list[tuple[int, Any]]]:
@@ -227,11 +222,12 @@ def fused_pages(table: pa.Table) -> dict[str, list[tuple[int, Any]]]:
     docs: dict[str, list] = {}
     applied: set[str] = set()
     column = table.column("fused").combine_chunks()
-    for i, (doc, page, text, ids, how) in enumerate(zip(*(table.column(c).to_pylist() for c in
-                                                         ("doc_id", "page", "text", "token_ids", "fusion")))):
+    for i, (doc, page, ids, how) in enumerate(zip(*(table.column(c).to_pylist() for c in
+                                                   ("doc_id", "page", "token_ids", "fusion")))):
         if not ids:
             continue
-        applied.update([doc] if how == "fused" else [])
+        if how == "fused":
+            applied.add(doc)
         rows = fused_rows(column, i) if column[i].is_valid else None
         docs.setdefault(doc, []).append((page or 0, (ids, rows)))
     return {d: sorted(pages, key=lambda x: x[0]) for d, pages in docs.items() if d in applied}

@@ -99,7 +99,8 @@ class FusionGate(Stage):
         from fusion.checkpoint import decoder_fingerprint, load
         from stages.models import shared_model
 
-        model, self._tokenizer = shared_model(self.params.model, "float32", "cpu")
+        # decode.generate's defaults: one copy of the decoder in the process serves both stages
+        model, self._tokenizer = shared_model(self.params.model, "auto", "auto")
         self._embed = model.get_input_embeddings()
         self._device = self._embed.weight.device
         path, p = self._path(), self.params

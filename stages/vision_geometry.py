@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-GRID_SCALE = 1000
+from fusion.encoder import patch_grid as fusion_patch_grid
+
 
 
 def patch_boxes(page_width: float, page_height: float, rows: int, cols: int) -> np.ndarray:
@@ -21,10 +22,9 @@ def patch_boxes(page_width: float, page_height: float, rows: int, cols: int) -> 
 
 
 def patch_grid(rows: int, cols: int) -> np.ndarray:
-    """``[rows*cols, 4]`` int16 boxes on the 0-1000 page grid models see (the same for every page)."""
-    xs = np.rint(np.linspace(0.0, GRID_SCALE, cols + 1)).astype(np.int16)
-    ys = np.rint(np.linspace(0.0, GRID_SCALE, rows + 1)).astype(np.int16)
-    return _tile(xs, ys)
+    """``[rows*cols, 4]`` int16 boxes on the 0-1000 page grid models see (the same for every page): the grid
+    the fusion was trained on, fusion.encoder.patch_grid."""
+    return fusion_patch_grid(rows, cols).astype(np.int16)
 
 
 def _tile(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample.pdf"
 
 @pytest.fixture(scope="module")
 def model():
-    return shared_model("default", "float32", "cpu")
+    return shared_model("default", "auto", "auto")  # the copy fusion.gate and decode.generate share
 
 
 def make_checkpoint(path: Path, model, gates: float = 0.0, held_out: dict | None = None) -> Path:
@@ -74,7 +74,7 @@ def test_gate_zero_rows_are_the_decoders_own_embeddings_bit_for_bit(tmp_path, mo
     embed = model[0].get_input_embeddings()
     for i, ids in enumerate(out.column("token_ids").to_pylist()):
         with torch.no_grad():
-            expected = embed(torch.tensor(ids)).numpy()
+            expected = embed(torch.tensor(ids)).float().numpy()  # the stream is float32
         assert np.array_equal(fused_rows(out.column("fused"), i), expected)
     assert out.column("visual_tokens").to_pylist() == [0] * out.num_rows
     # the column survives Parquet as a tensor column
@@ -96,7 +96,7 @@ def test_open_gates_change_boxed_tokens_and_add_visual_tokens_for_figures(tmp_pa
         rows = fused_rows(out.column("fused"), i)
         text_rows = rows[np.array(ids) >= 0]
         with torch.no_grad():
-            plain = embed(torch.tensor([t for t in ids if t >= 0])).numpy()
+            plain = embed(torch.tensor([t for t in ids if t >= 0])).float().numpy()
         assert not np.array_equal(text_rows, plain)
 
 
