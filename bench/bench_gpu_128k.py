@@ -32,7 +32,10 @@ from runtime.gpu import attention_kernel  # noqa: E402
 from runtime.gpu.attention_kernel import TUNED, kernel_flops_bytes, tiered_decode_attention  # noqa: E402
 from runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
 from runtime.gpu.reference import tiered_decode_reference  # noqa: E402
+from runtime.gpu.batch import stack_caches  # noqa: E402
 from runtime.kv.association import AssociationStore  # noqa: E402
+from runtime.kv.background import ArchiveWriter  # noqa: E402
+from runtime.layer_prefill import layer_major_prefill  # noqa: E402
 from runtime.session import cache_kwarg  # noqa: E402
 
 KV = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4}
@@ -130,7 +133,7 @@ def kernel_check(cache: KernelTieredCache, hq: int) -> dict:
             "kernel_tb_s": nbytes / (ms / 1e3) / 1e12}
 
 
-def run_context(model, length: int, args, bw: float, weights_read: int) -> dict:
+def run_context(model, length: int, args, bw: float, weights_read: int, writer: ArchiveWriter) -> dict:
     hq = model.config.num_attention_heads
     gen = torch.Generator(device="cuda").manual_seed(length)
     ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda", generator=gen)
@@ -146,42 +149,43 @@ def run_context(model, length: int, args, bw: float, weights_read: int) -> dict:
     cache = DynamicCache(config=model.config)
     tok = prefill(model, cache, ids, args.chunk)
     ttft = sync_time() - t0
+    first_token = tok.clone()
     kv = dynamic_kv_bytes(cache)
     step = decode(model, cache, tok, args.warmup, args.decode)
     peak = torch.cuda.max_memory_allocated()
     res["dynamic_cache"] = {"ttft_s": ttft, "decode_ms_per_token": step * 1e3, "decode_tokens_per_s": 1 / step,
                             "kv_device_bytes": kv, "peak_device_gb": peak / GB,
                             "prefill_workspace_bytes": peak - weights_alloc - kv,
-                            "floor_ms_per_token": (weights_read + kv) / bw * 1e3}
+                            "floor_ms_per_token": (weights_read + kv) / bw * 1e3, "_first_token": first_token}
     del cache
     print(f"[{length}] dynamic: ttft {ttft:.2f}s decode {step * 1e3:.1f} ms/tok kv {kv / GB:.2f} GB "
           f"peak {peak / GB:.1f} GB", flush=True)
 
-    # ---- tiered: one prefill + re-tier, decoded through the reference path, then the fused kernel ----
+    # ---- tiered: one layer-major prefill (each layer tiered as soon as it is full), then three decode paths ----
     fresh()
     model.config._attn_implementation = register_attention()
-    t0 = sync_time()
     cache = KernelTieredCache(model.config, KV)
-    kwarg = cache_kwarg(model)
-    out = None
-    for s in range(0, length, args.chunk):
-        out = model(input_ids=ids[:, s: s + args.chunk], logits_to_keep=1, use_cache=True, **{kwarg: cache})
-    t_prefill = sync_time() - t0
-    cache.retier()
-    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    t0 = sync_time()
+    logits = layer_major_prefill(model, cache, ids, chunk=args.chunk, writer=writer)
+    tok = logits.argmax(-1, keepdim=True)
     ttft = sync_time() - t0
+    for layer in cache.layers:
+        layer.archive.settle()
+    settle = sync_time() - t0 - ttft
     prefill_peak = torch.cuda.max_memory_allocated()
     tiers = cache.tier_bytes()
     kvd = cache.device_bytes()
     read = tiers["core"] + tiers["association"]
     floor = (weights_read + read) / bw
     prefix = cache.get_seq_length()
-    common = {"ttft_s": ttft, "prefill_s": t_prefill, "retier_s": ttft - t_prefill, "kv_device_bytes": kvd,
+    common = {"ttft_s": ttft, "archive_settled_after_first_token_s": settle, "kv_device_bytes": kvd,
               "tier_bytes": tiers, "tier_tokens": cache.tier_tokens(), "kv_peak_device_bytes": cache.peak_device,
               "floor_ms_per_token": floor * 1e3, "tier_bytes_read_per_token": read,
-              "prefill_workspace_bytes": prefill_peak - weights_alloc - kvd}
-    print(f"[{length}] tiered prefill {t_prefill:.2f}s retier {ttft - t_prefill:.2f}s tiers {cache.tier_tokens()}",
-          flush=True)
+              "prefill_peak_device_gb": prefill_peak / GB,
+              "prefill_workspace_bytes": prefill_peak - weights_alloc - kvd,
+              "first_token_matches_dynamic_cache": bool(torch.equal(tok, res["dynamic_cache"].pop("_first_token")))}
+    print(f"[{length}] tiered layer-major prefill: ttft {ttft:.2f}s (archive settled {settle:.2f}s later), "
+          f"peak {prefill_peak / GB:.1f} GB, tiers {cache.tier_tokens()}", flush=True)
     check = kernel_check(cache, hq)
     for name, fused in (("tiered", False), ("tiered_kernel", True)):
         cache.rollback(prefix)
@@ -197,42 +201,130 @@ def run_context(model, length: int, args, bw: float, weights_read: int) -> dict:
     res["tiered_kernel"]["kernel_check_layer0"] = check
     print(f"[{length}] kernel layer0: rel err {check['rel_err_vs_fp32']:.2e}, {check['kernel_us_per_layer']:.1f} us, "
           f"{check['kernel_tb_s']:.2f} TB/s", flush=True)
-    # ---- the fused kernel inside one CUDA graph per decode step ----
-    try:
-        cache.rollback(prefix)
-        cache.set_fused(True)
-        torch.cuda.reset_peak_memory_stats()
-        t0 = sync_time()
-        dec = GraphDecoder(model, cache, max_new=args.warmup + args.decode + 2, first_token=tok,
-                           warmup=max(2, args.warmup))
-        capture = sync_time() - t0
-        t0 = sync_time()
-        for _ in range(args.decode):
-            dec.step()
-        step = (sync_time() - t0) / args.decode
-        dec.close()
-        peak = max(prefill_peak, torch.cuda.max_memory_allocated())
-        res["tiered_graph"] = {**common, "decode_ms_per_token": step * 1e3, "decode_tokens_per_s": 1 / step,
-                               "peak_device_gb": peak / GB,
-                               "decode_peak_device_gb": torch.cuda.max_memory_allocated() / GB,
-                               "fraction_of_floor": floor / step, "graph_warmup_capture_s": capture}
-        print(f"[{length}] tiered_graph: decode {step * 1e3:.2f} ms/tok ({1 / step:.1f} tok/s) "
-              f"floor {floor * 1e3:.2f} ms ({floor / step:.0%} of floor), capture {capture:.2f}s", flush=True)
-    except Exception as exc:  # record and go on: the eager figures still stand
-        res["tiered_graph"] = {**common, "error": repr(exc)}
-        print(f"[{length}] tiered_graph failed: {exc!r}", flush=True)
+    # ---- the fused kernel inside one CUDA graph per decode step; then with a static MLP skip set ----
+    skip = choose_skip_mlp(model, cache, tok, args.skip_mlp) if args.skip_mlp else []
+    for name, skip_mlp in (("tiered_graph", []), ("tiered_graph_pruned", skip)):
+        if name == "tiered_graph_pruned" and not skip:
+            continue
+        try:
+            cache.rollback(prefix)
+            cache.set_fused(True)
+            torch.cuda.reset_peak_memory_stats()
+            t0 = sync_time()
+            dec = GraphDecoder(model, cache, max_new=args.warmup + args.decode + 2, first_token=tok,
+                               warmup=max(2, args.warmup), skip_mlp=skip_mlp)
+            capture = sync_time() - t0
+            t0 = sync_time()
+            for _ in range(args.decode):
+                dec.step()
+            step = (sync_time() - t0) / args.decode
+            dec.close()
+            peak = max(prefill_peak, torch.cuda.max_memory_allocated())
+            res[name] = {**common, "decode_ms_per_token": step * 1e3, "decode_tokens_per_s": 1 / step,
+                         "peak_device_gb": peak / GB,
+                         "decode_peak_device_gb": torch.cuda.max_memory_allocated() / GB,
+                         "fraction_of_floor": floor / step, "graph_warmup_capture_s": capture}
+            if skip_mlp:
+                skipped_bytes = sum(p.numel() * p.element_size() for i in skip_mlp
+                                    for p in model.model.layers[i].mlp.parameters())
+                floor_p = (weights_read - skipped_bytes + read) / bw
+                res[name].update({"skip_mlp_layers": skip_mlp, "skipped_blocks_fraction": len(skip_mlp) / (2 * len(
+                    model.model.layers)), "floor_ms_per_token": floor_p * 1e3, "fraction_of_floor": floor_p / step})
+            print(f"[{length}] {name}: decode {step * 1e3:.2f} ms/tok ({1 / step:.1f} tok/s) "
+                  f"floor {floor * 1e3:.2f} ms ({floor / step:.0%} of floor), capture {capture:.2f}s", flush=True)
+        except Exception as exc:  # record and go on: the eager figures still stand
+            res[name] = {**common, "error": repr(exc)}
+            print(f"[{length}] {name} failed: {exc!r}", flush=True)
+    if args.batched and length == max(args.contexts):
+        res["batched"] = batched_decode(model, cache, tok, prefix, args, weights_alloc)
     del cache
     fresh()
     base = res["dynamic_cache"]
-    for name in ("tiered", "tiered_kernel", "tiered_graph"):
-        r = res[name]
-        if "error" in r:
+    for name in ("tiered", "tiered_kernel", "tiered_graph", "tiered_graph_pruned"):
+        r = res.get(name)
+        if r is None or "error" in r:
             continue
         r["speedup_vs_dynamic_cache"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         r["ttft_ratio_vs_dynamic_cache"] = r["ttft_s"] / base["ttft_s"]
         r["kv_device_ratio"] = r["kv_device_bytes"] / base["kv_device_bytes"]
     base["speedup_vs_dynamic_cache"] = base["ttft_ratio_vs_dynamic_cache"] = base["kv_device_ratio"] = 1.0
     return res
+
+
+def choose_skip_mlp(model, cache, tok: torch.Tensor, count: int) -> list[int]:
+    """Stand-in skip set for a model without a calibrated decision head (random weights): the ``count`` layers whose
+    MLP changes the residual stream least, relative to its input, on one eager step from the prompt's last token.
+    The step's token is rolled back afterwards."""
+    prefix = cache.get_seq_length()
+    ratios: dict[int, float] = {}
+    hooks = []
+    for i, block in enumerate(model.model.layers):
+        def hook(_m, inputs, output, i=i):
+            ratios[i] = float(output[:, -1].float().norm() / inputs[0][:, -1].float().norm().clamp(min=1e-6))
+        hooks.append(block.mlp.register_forward_hook(hook))
+    try:
+        model(input_ids=tok, use_cache=True, **{cache_kwarg(model): cache})
+    finally:
+        for h in hooks:
+            h.remove()
+        cache.rollback(prefix)
+    return sorted(sorted(ratios, key=ratios.get)[:count])
+
+
+def batched_decode(model, cache, tok: torch.Tensor, prefix: int, args, weights_alloc: int) -> dict:
+    """Decode many documents at once: the tiers of the prefilled document, replicated ``n`` times along the batch
+    (every row a full copy on the device; the speed does not depend on the values, as with the random weights).
+    Finds the largest ``n`` that fits, then reports aggregate tokens/s and peak memory at a few batch sizes."""
+    cache.rollback(prefix)
+    cache.set_fused(True)
+    per_doc = cache.device_bytes()
+    fresh()
+    free = torch.cuda.mem_get_info()[0]
+    reserve = 3 * GB  # graph capture, logits, the growth of the core by max_new tokens
+    n_fit = max(1, int((free - reserve) // per_doc))
+    out: dict = {"per_document_device_bytes": per_doc, "free_before_gb": free / GB, "estimated_fit": n_fit,
+                 "sizes": {}}
+
+    def run(n: int) -> bool:
+        stacked = dec = None
+        try:
+            fresh()
+            stacked = stack_caches([cache] * n, release=False)
+            toks = tok.expand(n, 1).contiguous()
+            t0 = sync_time()
+            dec = GraphDecoder(model, stacked, max_new=args.warmup + args.decode + 2, first_token=toks,
+                               warmup=max(2, args.warmup))
+            capture = sync_time() - t0
+            t0 = sync_time()
+            for _ in range(args.decode):
+                dec.step()
+            step = (sync_time() - t0) / args.decode
+            rows_agree = bool((dec.tok == dec.tok[:1]).all())
+            out["sizes"][n] = {"documents": n, "decode_ms_per_step": step * 1e3,
+                               "aggregate_tokens_per_s": n / step, "per_document_tokens_per_s": 1 / step,
+                               "peak_device_gb": torch.cuda.max_memory_allocated() / GB,
+                               "graph_warmup_capture_s": capture, "rows_agree": rows_agree}
+            print(f"[batched] {n} documents: {step * 1e3:.1f} ms/step, {n / step:.0f} tok/s aggregate, "
+                  f"peak {torch.cuda.max_memory_allocated() / GB:.1f} GB, rows agree {rows_agree}", flush=True)
+            return True
+        except torch.cuda.OutOfMemoryError as exc:
+            print(f"[batched] {n} documents: out of memory ({str(exc)[:80]})", flush=True)
+            out.setdefault("out_of_memory_at", []).append(n)
+            return False
+        finally:
+            if dec is not None and dec.graph is not None:
+                dec.close()
+            del stacked, dec
+            fresh()
+
+    largest, n = None, n_fit
+    while n >= 1 and largest is None:
+        largest = n if run(n) else None
+        n -= 1
+    if largest and largest > 8:
+        run(8)
+    out["max_documents_decoded_at_once"] = largest
+    return out
 
 
 def sweep_kernel(out_dir: Path) -> dict:
@@ -286,6 +378,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_128k.json")
     parser.add_argument("--sweep", action="store_true", help="re-tune the kernel's launch config first")
+    parser.add_argument("--skip-mlp", type=int, default=8, help="MLP blocks the pruned graph leaves out (0: no row)")
+    parser.add_argument("--batched", action=argparse.BooleanOptionalAction, default=True,
+                        help="at the longest context, decode as many replicated documents as fit")
+    parser.add_argument("--workers", type=int, default=None, help="archive compression threads")
     args = parser.parse_args(argv)
     import transformers
 
@@ -304,22 +400,24 @@ def main(argv: list[str] | None = None) -> None:
     free_after_weights = torch.cuda.mem_get_info()[0]
     print(f"model built in {time.perf_counter() - t0:.1f}s: {weights / GB:.2f} GB weights, "
           f"{free_after_weights / GB:.1f} GB free", flush=True)
+    writer = ArchiveWriter(workers=args.workers)
     with torch.no_grad():
-        warm = argparse.Namespace(chunk=args.chunk, warmup=1, decode=2)
-        run_context(model, 2048, warm, bw, weights_read)  # kernels, Triton compile, allocator: out of the numbers
+        warm = argparse.Namespace(chunk=args.chunk, warmup=1, decode=2, skip_mlp=args.skip_mlp, batched=False,
+                                  contexts=[2048])
+        run_context(model, 2048, warm, bw, weights_read, writer)  # kernels, Triton compile, allocator: out of the numbers
         result = {"device": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
                   "torch": torch.__version__, "transformers": transformers.__version__,
                   "model": "Llama-3.1-8B shape, random bf16 weights, SDPA, batch 1", "kv": KV,
                   "prefill_chunk": args.chunk, "decode_tokens": args.decode, "warmup_tokens": args.warmup,
                   "kernel_config": {**TUNED, "split_scale": attention_kernel.SPLIT_SCALE},
+                  "archive_workers": writer.workers, "skip_mlp": args.skip_mlp,
                   "copy_bandwidth_tb_s": bw / 1e12, "weights_gb": weights / GB,
                   "weights_read_per_token_gb": weights_read / GB, "free_after_weights_gb": free_after_weights / GB,
                   "contexts": {}}
         for length in args.contexts:
-            result["contexts"][str(length)] = run_context(model, length, args, bw, weights_read)
+            result["contexts"][str(length)] = run_context(model, length, args, bw, weights_read, writer)
             top = result["contexts"][str(length)]
-            modes = list(top)
-            modes = [m for m in modes if "error" not in top[m]]
+            modes = [m for m in top if m != "batched" and "error" not in top[m]]
             for key in ("decode_tokens_per_s", "speedup_vs_dynamic_cache", "ttft_s", "ttft_ratio_vs_dynamic_cache",
                         "peak_device_gb", "kv_device_ratio", "floor_ms_per_token"):
                 result[key] = {m: top[m][key] for m in modes}
@@ -327,6 +425,9 @@ def main(argv: list[str] | None = None) -> None:
                                            for m in modes}
             result[f"concurrent_{length // 1024}k_documents"] = {m: concurrent_documents(top[m], free_after_weights)
                                                                  for m in modes}
+            if "batched" in top:
+                result[f"concurrent_{length // 1024}k_documents"]["measured_decode_batch"] = \
+                    top["batched"]["max_documents_decoded_at_once"]
             result["summary_context"] = length
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2))
@@ -336,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'peak GB':>8}")
     for length, top in result["contexts"].items():
         for m, r in top.items():
-            if "error" in r:
+            if m == "batched" or "error" in r:
                 continue
             print(f"{length:>7} {m:>14} {r['ttft_s']:8.2f} {r['decode_ms_per_token']:8.1f} "
                   f"{r['decode_tokens_per_s']:7.1f} {r['floor_ms_per_token']:8.2f} {r['kv_device_bytes'] / GB:7.2f} "

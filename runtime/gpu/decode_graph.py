@@ -6,13 +6,20 @@ gets its final capacity up front, the new token is written at a device-side inde
 from the device, and position, token, index and length advance inside the graph. The host-side counters of the
 cache catch up in :meth:`GraphDecoder.close`.
 
-Tiers are fixed while a graph is live: re-tiering (or pruning) changes the tensors the graph points at, so it
-happens between graphs: ``close()``, ``cache.retier()``, then a new ``GraphDecoder`` (documented fallback).
+Tiers are fixed while a graph is live: re-tiering changes the tensors the graph points at, so it happens between
+graphs: ``close()``, ``cache.retier()``, then a new ``GraphDecoder`` (documented fallback).
+
+Pruning inside a graph (documented fallback): a per-step decision would need a host sync and a branch, which a
+captured graph cannot take. Instead the skip set is fixed for the life of a graph (``skip_mlp``: the MLP blocks of
+those layers are left out of the capture), decided before capture, and revised by capturing a new graph. Only MLP
+blocks are skipped this way: a skipped attention block must still write its K/V, which would need a second graph
+path for the core; MLPs hold 80% of an 8B layer's weights anyway.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,13 +36,17 @@ class GraphDecoder:
         max_new: most tokens this decoder may add (the core's capacity grows by this much once).
         first_token: ``[B, 1]`` token the first step consumes (e.g. the prefill's argmax).
         warmup: eager steps before capture (they decode real tokens too).
+        skip_mlp: decoder layers whose MLP block this graph leaves out (the residual passes through).
     """
 
     def __init__(self, model: Any, cache: KernelTieredCache, max_new: int, first_token: torch.Tensor,
-                 warmup: int = 2) -> None:
+                 warmup: int = 2, skip_mlp: Sequence[int] = ()) -> None:
         from runtime.session import cache_kwarg
 
         self.model, self.cache = model, cache
+        bad = [i for i in skip_mlp if not 0 <= i < len(model.model.layers)]
+        if bad:
+            raise ValueError(f"skip_mlp names layers {bad}; the model has layers 0..{len(model.model.layers) - 1}")
         self.kwarg = cache_kwarg(model)
         self.has_cache_position = "cache_position" in inspect.signature(type(model.model).forward).parameters
         register_attention()
@@ -60,16 +71,21 @@ class GraphDecoder:
         for layer in layers:
             layer.graph_slot, layer.graph_count = self.slot, self.count
         model.config._attn_implementation = GRAPH_ATTN_NAME
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(warmup):
+        self.skipped = _skip_mlps(model, skip_mlp)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
+                for _ in range(warmup):
+                    self._step()
+                    self.steps += 1
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph), torch.no_grad():
                 self._step()
-                self.steps += 1
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self._step()
+        except BaseException:
+            self.close()  # the model gets its MLPs and attention back; the cache counts the warm-up steps
+            raise
 
     def _step(self) -> None:
         self.slot += 1
@@ -102,4 +118,23 @@ class GraphDecoder:
             layer.n_core = self.start_core + n
             layer.length = self.start_length + n
         self.model.config._attn_implementation = self.saved_impl
+        for block, mlp in self.skipped:
+            block.mlp = mlp
+        self.skipped = []
         self.graph = None
+
+
+class _Skipped(torch.nn.Module):
+    """Stands in for a skipped MLP block: adds nothing to the residual stream."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden)
+
+
+def _skip_mlps(model: Any, layers: Sequence[int]) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    blocks = model.model.layers
+    saved = []
+    for i in sorted(set(layers)):
+        saved.append((blocks[i], blocks[i].mlp))
+        blocks[i].mlp = _Skipped()
+    return saved

@@ -8,7 +8,11 @@ Values are laid out channel-major ([H, D, T]) first so a plane's runs follow one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import lz4.block
 import numpy as np
@@ -44,19 +48,20 @@ _NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 def pack_exact(x: torch.Tensor, codec: str | None = "lz4") -> ExactBlob:
     """Compress a ``[..., T, D]`` tensor (any float dtype) losslessly into byte planes on the host.
 
-    The byte shuffling runs in numpy: it is a strided byte copy, which torch does slowly (and, with several
-    intra-op threads on a busy CPU, very slowly).
+    The byte shuffling runs in numpy as two contiguous copies (channel-major, then plane-major); numpy and LZ4 both
+    release the GIL there, so several blocks pack in parallel threads (:class:`ArchiveWriter`).
     """
     host = x.detach().to("cpu")
     size = host.element_size()
     ints = host.contiguous().view(_INT_VIEW[size]).numpy()
     flat = np.ascontiguousarray(np.swapaxes(ints, -1, -2)).reshape(-1).view(np.uint8)
+    by_plane = np.ascontiguousarray(flat.reshape(-1, size).T)
     planes = []
     for i in range(size):
-        data = flat[i::size].tobytes()
-        packed = lz4.block.compress(data, store_size=True) if codec == "lz4" and data else b""
+        data = by_plane[i]
+        packed = lz4.block.compress(data, store_size=True) if codec == "lz4" and data.size else b""
         # A plane LZ4 cannot shrink (low mantissa bytes) is kept raw behind a one-byte tag.
-        planes.append(_LZ4 + packed if packed and len(packed) < len(data) else _RAW + data)
+        planes.append(_LZ4 + packed if packed and len(packed) < data.size else _RAW + data.tobytes())
     return ExactBlob(host.dtype, tuple(host.shape), planes, codec)
 
 
@@ -82,31 +87,59 @@ class _Block:
     values: ExactBlob
 
 
-@dataclass
 class ExactArchive:
-    """Append-only store of one layer's exact K/V by position blocks; every archived token stays recoverable."""
+    """Append-only store of one layer's exact K/V by position blocks; every archived token stays recoverable.
 
-    codec: str | None = "lz4"
-    block_tokens: int = 256
-    blocks: list[_Block] = field(default_factory=list)
+    Blocks may arrive later than their positions: :class:`ArchiveWriter` registers a pending range at once (so
+    ``length`` is right immediately) and fills it from worker threads; anything that reads blocks waits for them.
+    """
+
+    def __init__(self, codec: str | None = "lz4", block_tokens: int = 256) -> None:
+        self.codec = codec
+        self.block_tokens = block_tokens
+        self._blocks: list[_Block] = []
+        self._pending: list[Future] = []  # each resolves to the list of blocks of one pending range, in order
+        self._pending_end = 0
+
+    @property
+    def blocks(self) -> list[_Block]:
+        """The archived blocks, in position order (waits for pending ones)."""
+        self.settle()
+        return self._blocks
+
+    def settle(self) -> None:
+        """Wait for every pending range (re-raising a worker's error here, where the caller can see it)."""
+        while self._pending:
+            self._blocks.extend(self._pending.pop(0).result())
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
 
     @property
     def length(self) -> int:
-        """Positions ``[0, length)`` are archived."""
-        return self.blocks[-1].end if self.blocks else 0
+        """Positions ``[0, length)`` are archived (or on their way, see :class:`ArchiveWriter`)."""
+        if self._pending:
+            return self._pending_end
+        return self._blocks[-1].end if self._blocks else 0
+
+    def add_pending(self, end: int, future: Future) -> None:
+        """Positions ``[length, end)`` will be the blocks ``future`` returns (used by :class:`ArchiveWriter`)."""
+        if self.length % self.block_tokens and not self._pending:
+            raise ValueError("a pending range must start on a block boundary; append() tops up short blocks")
+        self._pending.append(future)
+        self._pending_end = end
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Archive ``k``/``v`` [B, H, T, D] for positions ``[length, length + T)``; tops up a short last block."""
+        blocks = self.blocks
         start = self.length
-        if self.blocks and self.blocks[-1].end - self.blocks[-1].start < self.block_tokens:
-            last = self.blocks.pop()
+        if blocks and blocks[-1].end - blocks[-1].start < self.block_tokens:
+            last = blocks.pop()
             start = last.start
             k = torch.cat([unpack_exact(last.keys), k.detach().to("cpu")], dim=2)
             v = torch.cat([unpack_exact(last.values), v.detach().to("cpu")], dim=2)
-        for lo in range(0, k.shape[2], self.block_tokens):
-            hi = min(lo + self.block_tokens, k.shape[2])
-            self.blocks.append(_Block(start + lo, start + hi, pack_exact(k[:, :, lo:hi], self.codec),
-                                      pack_exact(v[:, :, lo:hi], self.codec)))
+        blocks.extend(pack_blocks(k, v, start, self.block_tokens, self.codec))
 
     def read(self, index: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """Block ``index`` as ``(start, end, keys, values)``."""
@@ -120,14 +153,15 @@ class ExactArchive:
 
     def truncate(self, length: int) -> None:
         """Forget positions ``>= length`` (re-encoding a block cut in two)."""
-        while self.blocks and self.blocks[-1].start >= length:
-            self.blocks.pop()
-        if self.blocks and self.blocks[-1].end > length:
-            start, _, k, v = self.read(len(self.blocks) - 1)
-            self.blocks.pop()
+        blocks = self.blocks
+        while blocks and blocks[-1].start >= length:
+            blocks.pop()
+        if blocks and blocks[-1].end > length:
+            start, _, k, v = self.read(len(blocks) - 1)
+            blocks.pop()
             keep = length - start
-            self.blocks.append(_Block(start, length, pack_exact(k[:, :, :keep], self.codec),
-                                      pack_exact(v[:, :, :keep], self.codec)))
+            blocks.append(_Block(start, length, pack_exact(k[:, :, :keep], self.codec),
+                                 pack_exact(v[:, :, :keep], self.codec)))
 
     def select_batch(self, indices: torch.Tensor) -> None:
         """Keep/reorder batch rows (beam search, batch selection)."""
@@ -143,3 +177,105 @@ class ExactArchive:
     def raw_nbytes(self) -> int:
         """Bytes the same tokens take uncompressed."""
         return sum(b.keys.raw_nbytes() + b.values.raw_nbytes() for b in self.blocks)
+
+
+def pack_blocks(k: torch.Tensor, v: torch.Tensor, start: int, block_tokens: int, codec: str | None
+                ) -> list[_Block]:
+    """``k``/``v`` [B, H, T, D] (host) as archive blocks for positions ``[start, start + T)``."""
+    return [_Block(start + lo, start + min(lo + block_tokens, k.shape[2]),
+                   pack_exact(k[:, :, lo: lo + block_tokens], codec), pack_exact(v[:, :, lo: lo + block_tokens], codec))
+            for lo in range(0, k.shape[2], block_tokens)]
+
+
+class ArchiveWriter:
+    """Moves exact K/V into archives off the critical path: device -> pinned host buffer -> LZ4 in worker threads.
+
+    ``submit`` records the copy on a side CUDA stream into a pinned staging buffer and returns at once; the GPU goes
+    on computing while the copy engine moves the bytes and the workers compress them (numpy and LZ4 release the GIL).
+    At most ``staging`` buffers are in flight: a further ``submit`` waits for one, which bounds host memory and makes
+    a host that cannot keep up slow the prefill down instead of filling RAM. Off CUDA the copy is a plain one.
+
+    Args:
+        workers: compression threads (default: the CPUs this process may use, at most 16).
+        staging: pinned buffers in flight.
+    """
+
+    def __init__(self, workers: int | None = None, staging: int = 2) -> None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.workers = max(1, min(16, cpus) if workers is None else workers)
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="docfuse-archive")
+        self.slots = threading.Semaphore(staging)
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._free: list[torch.Tensor] = []  # pinned buffers to reuse
+        self._lock = threading.Lock()
+
+    def _staging(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= numel and buf.dtype == dtype:
+                    return self._free.pop(i)
+        return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+
+    def submit(self, archive: ExactArchive, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Archive ``k``/``v`` [B, H, T, D] at positions ``[archive.length, archive.length + T)``, asynchronously.
+
+        The caller may drop or overwrite ``k``/``v`` right away (their memory is held until the copy is done).
+        """
+        start, tokens = archive.length, k.shape[2]
+        if tokens == 0:
+            return
+        if start % archive.block_tokens:
+            archive.append(k, v)  # a short last block must be topped up first: the plain path
+            return
+        self.slots.acquire()
+        try:
+            base = self._staging(2 * k.numel(), k.dtype, k.device)
+            host = base[: 2 * k.numel()].view(2, *k.shape)
+            if self.stream is not None and k.is_cuda:
+                self.stream.wait_stream(torch.cuda.current_stream(k.device))
+                with torch.cuda.stream(self.stream):
+                    host[0].copy_(k, non_blocking=True)
+                    host[1].copy_(v, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(self.stream)
+                k.record_stream(self.stream)
+                v.record_stream(self.stream)
+            else:
+                host[0].copy_(k)
+                host[1].copy_(v)
+                done = None
+        except BaseException:
+            self.slots.release()
+            raise
+        blocks = [self.pool.submit(self._pack, host, done, lo, start, archive.block_tokens, archive.codec)
+                  for lo in range(0, tokens, archive.block_tokens)]
+        gather = self.pool.submit(self._gather, blocks, base)
+        archive.add_pending(start + tokens, gather)
+
+    @staticmethod
+    def _pack(host: torch.Tensor, done: Any, lo: int, start: int, block: int, codec: str | None) -> _Block:
+        if done is not None:
+            done.synchronize()
+        hi = min(lo + block, host.shape[3])
+        return _Block(start + lo, start + hi, pack_exact(host[0, :, :, lo:hi], codec),
+                      pack_exact(host[1, :, :, lo:hi], codec))
+
+    def _gather(self, blocks: list[Future], base: torch.Tensor) -> list[_Block]:
+        # Runs in the same pool after its blocks (FIFO), so the blocks it waits for are already taken or done.
+        try:
+            return [f.result() for f in blocks]
+        finally:
+            with self._lock:
+                self._free.append(base)
+            self.slots.release()
+
+    def close(self) -> None:
+        """Wait for the workers and free the pinned buffers (archives keep what was written)."""
+        self.pool.shutdown(wait=True)
+        self._free.clear()
+
+    def __enter__(self) -> ArchiveWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

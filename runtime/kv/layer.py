@@ -219,7 +219,8 @@ class TieredLayer(CacheLayerMixin):
             full_k.scatter_(2, idx, self.keys[:, :, : self.n_core])
             full_v.scatter_(2, idx, self.values[:, :, : self.n_core])
         full_k, full_v, in_core = full_k[:, :, :-1], full_v[:, :, :-1], in_core[:, :, :-1]
-        missing = (wanted & ~in_core).any(dim=1).any(dim=0).nonzero().flatten()
+        needed = (wanted & ~in_core).any(dim=1)  # [B, length]
+        missing = needed.any(dim=0).nonzero().flatten()
         filled = in_core
         if len(missing):
             if int(missing.max()) >= self.archive.length:
@@ -228,7 +229,9 @@ class TieredLayer(CacheLayerMixin):
                 start, end, k, v = self.archive.read(block)
                 full_k[:, :, start:end] = k.to(self.device)
                 full_v[:, :, start:end] = v.to(self.device)
-                filled[:, :, start:end] = True
+                # Only the rows that asked for this block count it as known, so that batch rows (documents of a
+                # stacked batch) rank exactly as they would alone.
+                filled[needed[:, start:end].any(dim=1), :, start:end] = True
         return (full_k, full_v, filled) if with_filled else (full_k, full_v)
 
     # ---- summaries and scoring -----------------------------------------------------------------------------------

@@ -104,30 +104,37 @@ class TieredCache(Cache):
         length = self.get_seq_length()
         if length == 0:
             return self.tier_tokens()
-        core, assoc = self.budgets(length)
-        starts = self.pages.starts(length)
-        page_ids = self.pages.page_ids(length)
-        candidates = resolve_budget(self.kv.candidate_tokens, length)
-        forced = torch.zeros(length, dtype=torch.bool)
-        forced[: self.kv.sink_tokens] = True
-        forced[max(0, length - self.kv.recent_tokens):] = True
         for i, layer in enumerate(self.layers):
-            if not layer.is_initialized:
-                continue
-            layer._archive_all()
-            layer.refresh_summaries(starts, page_ids)
-            q = queries[i] if queries is not None else layer.queries
-            if self.kv.scoring == "tokens":
-                priority = layer.vote_priority(q, self.kv_heads, page_ids, candidates, SCORE_REDUCE)
-            else:
-                page_score = layer.scores(q, self.kv_heads, SCORE_REDUCE).cpu()
-                priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
-            priority[:, :, forced] = float("inf")
-            layer.rebuild(priority, core, assoc, page_ids)
+            if layer.is_initialized:
+                self.retier_layer(i, queries[i] if queries is not None else layer.queries)
         self.retiered_at = length
         self.retiers += 1
         self.peak_device = max(self.peak_device, self.device_bytes())
         return self.tier_tokens()
+
+    def retier_layer(self, layer_idx: int, queries: torch.Tensor | None) -> None:
+        """Re-tier one layer (``retier`` does every layer; the layer-major prefill does each as soon as it is full).
+
+        ``queries``: post-RoPE query vectors [B, Hq, M, D], or ``None`` for the newest core keys as a stand-in.
+        """
+        layer = self.layers[layer_idx]
+        length = layer.get_seq_length()
+        core, assoc = self.budgets(length)
+        starts = self.pages.starts(length)
+        page_ids = self.pages.page_ids(length)
+        forced = torch.zeros(length, dtype=torch.bool)
+        forced[: self.kv.sink_tokens] = True
+        forced[max(0, length - self.kv.recent_tokens):] = True
+        layer._archive_all()
+        layer.refresh_summaries(starts, page_ids)
+        if self.kv.scoring == "tokens":
+            candidates = resolve_budget(self.kv.candidate_tokens, length)
+            priority = layer.vote_priority(queries, self.kv_heads, page_ids, candidates, SCORE_REDUCE)
+        else:
+            page_score = layer.scores(queries, self.kv_heads, SCORE_REDUCE).cpu()
+            priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
+        priority[:, :, forced] = float("inf")
+        layer.rebuild(priority, core, assoc, page_ids)
 
     def maybe_retier(self) -> bool:
         """Re-tier when ``retier_every`` tokens were added since the last re-tier; call between decode steps."""

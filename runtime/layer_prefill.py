@@ -1,0 +1,146 @@
+"""Layer-major prefill: a whole document through one decoder layer at a time, tiering each layer as soon as it is full.
+
+The usual chunked prefill runs every layer on chunk 1, then every layer on chunk 2, ...: exact, but the cache of
+every layer grows to the full document before anything can be tiered, so peak memory holds the full-precision cache
+(17 GB for an 8B model at 128K). Here the loop is turned round: layer 0 runs over all chunks, then layer 1, ... The
+hidden states of the whole document wait in one buffer (overwritten in place, chunk by chunk), and only the layer
+being computed holds its full K/V. Attention is still exact (each chunk sees every earlier token of its own layer),
+so the logits equal the dense model's. Once a layer is done its K/V go to the archive (asynchronously, through an
+:class:`~runtime.kv.background.ArchiveWriter`) and the layer is tiered from the queries of the document's last
+tokens, which is where a question sits when the prompt ends with it.
+
+Peak device memory: weights + the hidden-state buffer (``L x hidden``) + one layer's full K/V and a working copy +
+the tiers of the layers already done, instead of weights + the full cache of every layer.
+
+Llama-family decoders (``model.model.layers`` with ``self_attn.{q,k,v,o}_proj``, optional ``q_norm``/``k_norm``,
+``input_layernorm``, ``post_attention_layernorm``, ``mlp``) are supported; the forward is written out here, one
+block at a time, so nothing depends on transformers' internal call signatures.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kv.background import ArchiveWriter
+from runtime.kv.queries import rotate_half
+from runtime.kv.tiered import TieredCache
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA of a chunk's queries [B, Hq, T, D] over keys [B, Hkv, S, D] whose last ``T`` are the chunk's own.
+
+    The causal diagonal is aligned to the bottom right (query ``i`` sees keys ``<= S - T + i``) without building an
+    ``T x S`` mask where the GPU kernels can avoid it.
+    """
+    t, s = q.shape[2], k.shape[2]
+    if t == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    from torch.nn.attention.bias import causal_lower_right
+
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, s), scale=scale,
+                                              enable_gqa=True)
+    except RuntimeError:  # a backend without bottom-right causal + GQA: an explicit mask (T x S booleans)
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The block inside a pruning gate (runtime.pruning.gates wraps attention and MLP modules)."""
+    return getattr(module, "inner", module)
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    base = getattr(model, "model", model)
+    if not all(hasattr(base, name) for name in ("layers", "rotary_emb", "norm")):
+        raise ValueError(f"layer-major prefill needs a Llama-family decoder (model.model.layers, rotary_emb, norm); "
+                         f"{type(model).__name__} has none: prefill it through the model in chunks instead")
+    return base
+
+
+@torch.no_grad()
+def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: torch.Tensor | None = None,
+                        inputs_embeds: torch.Tensor | None = None, chunk: int = 8192,
+                        writer: ArchiveWriter | None = None, query_tokens: int | None = None) -> torch.Tensor:
+    """Prefill an empty :class:`TieredCache` with a document, layer by layer; returns the last position's logits.
+
+    Args:
+        model: a Llama-family causal LM.
+        cache: an empty tiered cache for ``model``; it leaves tiered (as after ``retier``).
+        input_ids / inputs_embeds: the document, ``[B, L]`` ids or ``[B, L, hidden]`` embeddings (not modified).
+        chunk: tokens per attention/MLP call (bounds the activation memory, not the result).
+        writer: moves each finished layer's exact K/V to the host archive in the background; ``None`` archives
+            synchronously.
+        query_tokens: how many of the last positions' queries rank the tokens (default: the cache's
+            ``kv.query_tokens``).
+
+    Returns:
+        logits ``[B, vocab]`` of the last position (the first generated token's distribution).
+    """
+    if cache.get_seq_length() != 0:
+        raise ValueError("layer-major prefill fills an empty cache; feed further tokens (a question, an answer) "
+                         "through the model as usual")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1 token, got {chunk}")
+    base = _decoder(model)
+    if input_ids is not None:
+        hidden = base.embed_tokens(input_ids)
+    else:
+        hidden = inputs_embeds.clone()
+    b, length, _ = hidden.shape
+    if length == 0:
+        raise ValueError("the document has no tokens")
+    m = min(length, query_tokens or cache.kv.query_tokens)
+    positions = torch.arange(length, device=hidden.device).unsqueeze(0)
+    cos, sin = base.rotary_emb(hidden, position_ids=positions)  # [1, L, D], in the hidden dtype
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    host_positions = torch.arange(length).view(1, 1, -1).expand(b, 1, -1)
+    for index, block in enumerate(base.layers[: len(cache.layers)]):
+        attn, mlp = _unwrap(block.self_attn), _unwrap(block.mlp)
+        d = attn.head_dim
+        kv_heads = attn.k_proj.out_features // d
+        keys = hidden.new_empty(b, kv_heads, length, d)
+        values = hidden.new_empty(b, kv_heads, length, d)
+        last_queries = None
+        for s in range(0, length, chunk):
+            e = min(length, s + chunk)
+            x = hidden[:, s:e]
+            h = block.input_layernorm(x)
+            q = attn.q_proj(h).view(b, e - s, -1, d)
+            k = attn.k_proj(h).view(b, e - s, -1, d)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            c, si = cos[:, :, s:e], sin[:, :, s:e]
+            q = q * c + rotate_half(q) * si
+            keys[:, :, s:e] = k * c + rotate_half(k) * si
+            values[:, :, s:e] = attn.v_proj(h).view(b, e - s, -1, d).transpose(1, 2)
+            out = causal_attention(q, keys[:, :, :e], values[:, :, :e], attn.scaling)
+            recent = q[:, :, -m:]
+            last_queries = recent if last_queries is None else torch.cat([last_queries, recent], dim=2)[:, :, -m:]
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, e - s, -1))
+            hidden[:, s:e] = x + mlp(block.post_attention_layernorm(x))
+        _adopt(cache, index, keys, values, host_positions, writer)
+        del keys, values
+        cache.retier_layer(index, last_queries)
+    cache.retiered_at = length
+    cache.retiers += 1
+    cache.peak_device = max(cache.peak_device, cache.device_bytes())
+    return model.lm_head(base.norm(hidden[:, -1:]))[:, -1]
+
+
+def _adopt(cache: TieredCache, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+           writer: ArchiveWriter | None) -> None:
+    """Give layer ``index`` the whole document in its core (as a finished dense prefill would) and archive it."""
+    layer = cache.layers[index]
+    layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
+    h = keys.shape[1]
+    layer._set_core(keys, values, positions.expand(-1, h, -1).contiguous())
+    layer.length = keys.shape[2]
+    cache.peak_device = max(cache.peak_device, cache.device_bytes())
+    if writer is not None:
+        writer.submit(layer.archive, keys, values)
+
