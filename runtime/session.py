@@ -121,6 +121,7 @@ class Session:
         self.document_prefills = 0
         self.document_prefill_s = 0.0
         self._charge_prefill = False
+        self._writer: Any = None  # runtime.kv.background.ArchiveWriter, made on the first layer-major prefill on CUDA
         self.pruning = PruningConfig.model_validate(pruning) if isinstance(pruning, dict) else pruning
         self.pruner: Pruner | None = None
         if self.pruning is not None:
@@ -161,7 +162,9 @@ class Session:
         metrics.reset_peak_memory(self.device)
         started = metrics.now(self.device)
         self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
-        for start in range(0, len(ids), chunk_size):
+        if self.kv is not None and self.kv.prefill == "layers" and ids:
+            self._layer_major(ids, chunk_size, embeds)
+        for start in range(0, len(ids) if self.cache.get_seq_length() == 0 else 0, chunk_size):
             rows = None if embeds is None else embeds[start:start + chunk_size]
             self._forward(ids[start:start + chunk_size], rows)
         self.prefix_length = self.cache.get_seq_length()
@@ -248,6 +251,19 @@ class Session:
             skipped_fraction=self.pruner.skipped_fraction if prune else 0.0,
             finish_reason=finish,
         )
+
+    def _layer_major(self, ids: list[int], chunk_size: int, embeds: torch.Tensor | None) -> None:
+        """``kv.prefill: layers``: the whole prefix one layer at a time (runtime.layer_prefill); on CUDA the archive
+        is written by background threads while the next layer runs."""
+        from runtime.kv.background import ArchiveWriter
+        from runtime.layer_prefill import layer_major_prefill
+
+        if self.device.type == "cuda" and self._writer is None:
+            self._writer = ArchiveWriter()
+        inputs = ({"input_ids": torch.tensor([ids], dtype=torch.long, device=self.device)} if embeds is None
+                  else {"inputs_embeds": embeds.to(self.device, self.model.dtype).unsqueeze(0)})
+        layer_major_prefill(self.model, self.cache, chunk=chunk_size, writer=self._writer,
+                            **inputs)
 
     def _forward(self, ids: Sequence[int], embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``ids`` (or their ``embeds`` rows) through the model on top of the cache; the last position's logits."""

@@ -297,11 +297,12 @@ def test_tiered_session_with_budgets_covering_the_document_answers_like_the_plai
     model, tokenizer = load_model("default")
     doc = "Notes. " * 40 + "The pass key is 58213. Remember it. " + "More notes. " * 40
     answers = []
-    for kv in (None, {"core_tokens": 1.0, "association_tokens": 0}):
+    for kv in (None, {"core_tokens": 1.0, "association_tokens": 0},
+               {"core_tokens": 1.0, "association_tokens": 0, "prefill": "layers"}):
         session = Session(model, tokenizer, kv=kv)
         session.prefill(session.fit_document(doc, questions=["What is the pass key?"], max_new_tokens=16))
         answers.append(session.ask("What is the pass key?", max_new_tokens=16).text)
-    assert answers[0] == answers[1] and "58213" in answers[0]
+    assert answers[0] == answers[1] == answers[2] and "58213" in answers[0]
 
 
 def test_thread_count_follows_env_and_leaves_busy_cores_alone(monkeypatch):

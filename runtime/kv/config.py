@@ -38,6 +38,10 @@ class KVConfig(BaseModel):
     scoring: Literal["tokens", "pages"] = "tokens"
     #: Background tokens per head whose pages the summaries nominate for exact scoring at a re-tier (count or fraction).
     candidate_tokens: int | float = 0.25
+    #: ``tokens``: the usual chunked prefill (every layer per chunk; the full cache exists until the first re-tier).
+    #: ``layers``: layer-major prefill (runtime.layer_prefill): one layer over the whole document at a time, tiered
+    #: as soon as it is full, so peak memory never holds the full-precision cache of every layer. Same logits.
+    prefill: Literal["tokens", "layers"] = "tokens"
 
     @field_validator("association_bits", mode="before")
     @classmethod

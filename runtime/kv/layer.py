@@ -208,6 +208,11 @@ class TieredLayer(CacheLayerMixin):
         """
         b, h, _ = wanted.shape
         d = self.keys.shape[-1]
+        if self.n_core == self.length and self._core_in_order():
+            # Every token is in the core, in position order (a fresh prefill): the core is the answer, no copy.
+            k, v = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+            filled = torch.ones(b, h, self.length, dtype=torch.bool)
+            return (k, v, filled) if with_filled else (k, v)
         # One spare slot absorbs core entries beyond ``length`` (only present in the middle of a rollback).
         full_k = self.keys.new_empty(b, h, self.length + 1, d)
         full_v = self.values.new_empty(b, h, self.length + 1, d)
@@ -233,6 +238,10 @@ class TieredLayer(CacheLayerMixin):
                 # stacked batch) rank exactly as they would alone.
                 filled[needed[:, start:end].any(dim=1), :, start:end] = True
         return (full_k, full_v, filled) if with_filled else (full_k, full_v)
+
+    def _core_in_order(self) -> bool:
+        pos = self.core_pos[:, :, : self.n_core]
+        return bool(torch.equal(pos, torch.arange(self.n_core).expand_as(pos)))
 
     # ---- summaries and scoring -----------------------------------------------------------------------------------
     def refresh_summaries(self, starts: list[int], page_ids: torch.Tensor) -> None:
@@ -267,11 +276,13 @@ class TieredLayer(CacheLayerMixin):
         b, h = self.core_pos.shape[:2]
         tier = self.membership()
         grouped = self._grouped(queries, kv_heads)
-        page_score = page_scores(grouped, self.kmin, self.kmax, reduce).cpu()
-        page_score = page_score.gather(2, page_ids.expand(b, h, -1))
+        # Sorting [B, H, length] scores is faster on the accelerator than on the host (sorts stay stable: the same
+        # order on either).
+        page_score = page_scores(grouped, self.kmin, self.kmax, reduce)
+        page_score = page_score.gather(2, page_ids.to(page_score.device).expand(b, h, -1)).double()
         wanted = tier == 0
         if candidates > 0:
-            wanted |= nominate(page_score, tier == 2, candidates)
+            wanted |= nominate(page_score, (tier == 2).to(page_score.device), candidates).cpu()
         full_k, _, filled = self._materialize(wanted, with_filled=True)
         known = filled
         if self.n_assoc:
@@ -288,7 +299,7 @@ class TieredLayer(CacheLayerMixin):
                 known = filled.clone().scatter_(2, self.assoc_pos, True)
         votes = token_votes(grouped, full_k, known.to(self.device)).cpu().double()
         # Unvoted tokens: below every vote (votes are >= 0), ordered by page score.
-        rank = torch.argsort(torch.argsort(page_score.double(), dim=-1), dim=-1).double()
+        rank = torch.argsort(torch.argsort(page_score, dim=-1, stable=True), dim=-1, stable=True).cpu().double()
         fallback = -2.0 + rank / max(1, self.length)
         return torch.where(votes > 0, votes, fallback)
 
@@ -307,7 +318,7 @@ class TieredLayer(CacheLayerMixin):
         token is ever dropped.
         """
         self._archive_all()
-        order = torch.sort(-priority, dim=-1, stable=True).indices
+        order = torch.sort(-priority.to(self.device), dim=-1, stable=True).indices.cpu()
         core_idx = order[..., :core].sort(dim=-1).values
         assoc_idx = order[..., core: core + assoc].sort(dim=-1).values
         wanted = torch.zeros_like(priority, dtype=torch.bool)

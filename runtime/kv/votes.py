@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 #: Width of the average pool over votes (odd: centred).
 POOL_KERNEL = 7
+#: Score memory one slice of queries may take in ``token_votes``.
+VOTE_SLICE_BYTES = 256 << 20
 
 
 def token_votes(grouped: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
@@ -29,10 +31,20 @@ def token_votes(grouped: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
     """
     if visible.dim() == 3:
         visible = visible.unsqueeze(2)
-    logits = grouped.to(keys.dtype) @ keys.transpose(-1, -2)
-    logits = logits.float() / math.sqrt(keys.shape[-1])
-    logits = logits.masked_fill(~visible, -math.inf)
-    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)
+    hidden = None if bool(visible.all()) else ~visible
+    b, h, m, _ = grouped.shape
+    t = keys.shape[2]
+    # Queries in slices, so that the float32 scores stay near VOTE_SLICE_BYTES (at 128K tokens, 256 queries of
+    # 8 heads would otherwise need several GB at once).
+    step = max(1, min(m, VOTE_SLICE_BYTES // max(1, b * h * t * 4)))
+    mass = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device)
+    for lo in range(0, m, step):
+        logits = (grouped[:, :, lo: lo + step].to(keys.dtype) @ keys.transpose(-1, -2)).float()
+        logits.mul_(1.0 / math.sqrt(keys.shape[-1]))
+        if hidden is not None:
+            mask = hidden if hidden.shape[2] == 1 else hidden[:, :, lo: lo + step]
+            logits.masked_fill_(mask, -math.inf)
+        mass += torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=2)
     if kernel > 1 and mass.shape[-1] >= kernel:
         mass = F.avg_pool1d(mass, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
     return mass
