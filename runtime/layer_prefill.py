@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from runtime.kv.background import ArchiveWriter
 from runtime.kv.queries import rotate_half
 from runtime.kv.tiered import TieredCache
@@ -62,7 +64,8 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
 @torch.no_grad()
 def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: torch.Tensor | None = None,
                         inputs_embeds: torch.Tensor | None = None, chunk: int = 8192,
-                        writer: ArchiveWriter | None = None, query_tokens: int | None = None) -> torch.Tensor:
+                        writer: ArchiveWriter | None = None, query_tokens: int | None = None,
+                        overlap: bool = True) -> torch.Tensor:
     """Prefill an empty :class:`TieredCache` with a document, layer by layer; returns the last position's logits.
 
     Args:
@@ -74,6 +77,8 @@ def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: t
             synchronously.
         query_tokens: how many of the last positions' queries rank the tokens (default: the cache's
             ``kv.query_tokens``).
+        overlap: on CUDA, tier each finished layer on a side stream, from a helper thread, while the next layer
+            computes (the tiering is mostly host-side work that would otherwise stall the GPU).
 
     Returns:
         logits ``[B, vocab]`` of the last position (the first generated token's distribution).
@@ -98,6 +103,20 @@ def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: t
     cos, sin = base.rotary_emb(hidden, position_ids=positions)  # [1, L, D], in the hidden dtype
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     host_positions = torch.arange(length).view(1, 1, -1).expand(b, 1, -1)
+    overlap = overlap and hidden.is_cuda
+    side = torch.cuda.Stream(hidden.device) if overlap else None
+    tiering = ThreadPoolExecutor(1, thread_name_prefix="docfuse-tier") if overlap else None
+    try:
+        return _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writer, side, tiering)
+    finally:
+        if tiering is not None:
+            tiering.shutdown(wait=True)
+
+
+def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writer, side, tiering) -> torch.Tensor:
+    """The layer loop of :func:`layer_major_prefill`; returns the last position's logits."""
+    b, length, _ = hidden.shape
+    pending: Future | None = None
     for index, block in enumerate(base.layers[: len(cache.layers)]):
         attn, mlp = _unwrap(block.self_attn), _unwrap(block.mlp)
         d = attn.head_dim
@@ -123,13 +142,45 @@ def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: t
             last_queries = recent if last_queries is None else torch.cat([last_queries, recent], dim=2)[:, :, -m:]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, e - s, -1))
             hidden[:, s:e] = x + mlp(block.post_attention_layernorm(x))
-        _adopt(cache, index, keys, values, host_positions, writer)
+        if side is None:
+            _adopt(cache, index, keys, values, host_positions, writer)
+            cache.retier_layer(index, last_queries)
+        else:  # tier this layer on a side stream and thread while the next layer computes
+            ready = torch.cuda.Event()
+            ready.record()
+            if pending is not None:
+                pending.result()  # one layer in flight at most: memory stays bounded
+            pending = tiering.submit(_tier_beside, cache, index, keys, values, host_positions, writer, last_queries,
+                                     ready, side, torch.cuda.current_stream())
         del keys, values
-        cache.retier_layer(index, last_queries)
+    if pending is not None:
+        pending.result()
+        torch.cuda.current_stream().wait_stream(side)
     cache.retiered_at = length
     cache.retiers += 1
     cache.peak_device = max(cache.peak_device, cache.device_bytes())
     return model.lm_head(base.norm(hidden[:, -1:]))[:, -1]
+
+
+def _tier_beside(cache: TieredCache, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 writer: ArchiveWriter | None, queries: torch.Tensor, ready: torch.cuda.Event,
+                 side: torch.cuda.Stream, main: torch.cuda.Stream) -> None:
+    """Adopt and tier layer ``index`` on the ``side`` stream once ``ready`` (its last chunk) has run."""
+    with torch.cuda.stream(side):
+        side.wait_event(ready)
+        _adopt(cache, index, keys, values, positions, writer)
+        cache.retier_layer(index, queries)
+        layer = cache.layers[index]
+        # The tiers were allocated on the side stream and are read on the main one from now on: tell the allocator,
+        # so that their memory is not handed out again while main-stream work may still read it.
+        tensors = [layer.keys, layer.values, layer.kmin, layer.kmax]
+        if layer.assoc is not None:
+            for quant in (layer.assoc.keys, layer.assoc.values):
+                tensors += [quant.codes, quant.scale, quant.zero]
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(main)
+    side.synchronize()
 
 
 def _adopt(cache: TieredCache, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

@@ -211,6 +211,11 @@ def test_layer_major_prefill_matches_the_model_in_bf16_on_gpu() -> None:
         out = layer_major_prefill(model, cache, ids, chunk=1024, writer=writer).float()
     assert float((out - ref).norm() / ref.norm()) < 2e-2
     assert cache.layers[0].archive.length == 3000
+    inline = KernelTieredCache(model.config, KV)  # tiering in line, not on a side stream
+    again = layer_major_prefill(model, inline, ids, chunk=1024, overlap=False).float()
+    assert torch.equal(again, out)
+    for a, b in zip(inline.layers, cache.layers):
+        assert torch.equal(a.membership(), b.membership()) and torch.equal(a.keys, b.keys)
 
 
 @GPU

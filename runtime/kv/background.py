@@ -196,13 +196,14 @@ class ArchiveWriter:
     a host that cannot keep up slow the prefill down instead of filling RAM. Off CUDA the copy is a plain one.
 
     Args:
-        workers: compression threads (default: the CPUs this process may use, at most 16).
+        workers: compression threads (default: the CPUs this process may use, at most 8: more only contend for
+            the GIL with the thread that drives the GPU).
         staging: pinned buffers in flight.
     """
 
     def __init__(self, workers: int | None = None, staging: int = 2) -> None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.workers = max(1, min(16, cpus) if workers is None else workers)
+        self.workers = max(1, min(8, cpus) if workers is None else workers)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="docfuse-archive")
         self.slots = threading.Semaphore(staging)
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
