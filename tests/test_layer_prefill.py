@@ -140,6 +140,18 @@ def test_archive_writer_is_exact_and_tops_up_short_blocks(dtype: torch.dtype) ->
     assert archive.nbytes() < archive.raw_nbytes() or dtype == torch.float32
 
 
+def test_archive_writer_sends_long_tensors_in_pieces_of_whole_blocks(monkeypatch) -> None:
+    from runtime.kv import background
+
+    monkeypatch.setattr(background, "STAGING_BYTES", 2 * 3 * 16 * 4 * 100)  # 100 tokens a piece -> 64-token pieces
+    k = torch.randn(1, 3, 1000, 16)
+    archive = ExactArchive(block_tokens=64)
+    with ArchiveWriter(workers=2, staging=2) as writer:
+        writer.submit(archive, k, k * 3)
+        assert len(archive._pending) == 16 and archive.length == 1000
+    assert torch.equal(torch.cat([archive.read(i)[3] for i in range(len(archive.blocks))], 2), k * 3)
+
+
 def test_archive_writer_errors_surface_where_blocks_are_read(monkeypatch) -> None:
     from runtime.kv import background
 

@@ -20,6 +20,8 @@ import torch
 
 
 _RAW, _LZ4 = b"\x00", b"\x01"
+#: Size of one pinned staging buffer of :class:`ArchiveWriter` (a piece of a layer's K/V in flight to the host).
+STAGING_BYTES = 64 << 20
 
 
 @dataclass
@@ -198,10 +200,10 @@ class ArchiveWriter:
     Args:
         workers: compression threads (default: the CPUs this process may use, at most 8: more only contend for
             the GIL with the thread that drives the GPU).
-        staging: pinned buffers in flight.
+        staging: pinned buffers (of ``STAGING_BYTES``) in flight.
     """
 
-    def __init__(self, workers: int | None = None, staging: int = 2) -> None:
+    def __init__(self, workers: int | None = None, staging: int = 8) -> None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.workers = max(1, min(8, cpus) if workers is None else workers)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="docfuse-archive")
@@ -215,12 +217,15 @@ class ArchiveWriter:
             for i, buf in enumerate(self._free):
                 if buf.numel() >= numel and buf.dtype == dtype:
                     return self._free.pop(i)
-        return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+        size = max(numel, STAGING_BYTES // torch.empty((), dtype=dtype).element_size())
+        return torch.empty(size, dtype=dtype, pin_memory=device.type == "cuda")
 
     def submit(self, archive: ExactArchive, k: torch.Tensor, v: torch.Tensor) -> None:
         """Archive ``k``/``v`` [B, H, T, D] at positions ``[archive.length, archive.length + T)``, asynchronously.
 
         The caller may drop or overwrite ``k``/``v`` right away (their memory is held until the copy is done).
+        The tokens travel in pieces of at most ``STAGING_BYTES`` (whole blocks), so the pinned buffers keep one
+        size and are reused whatever the document length.
         """
         start, tokens = archive.length, k.shape[2]
         if tokens == 0:
@@ -228,6 +233,13 @@ class ArchiveWriter:
         if start % archive.block_tokens:
             archive.append(k, v)  # a short last block must be topped up first: the plain path
             return
+        per_token = 2 * k[:, :, :1].numel() * k.element_size()
+        piece = max(1, STAGING_BYTES // per_token // archive.block_tokens) * archive.block_tokens
+        for lo in range(0, tokens, piece):
+            self._submit_piece(archive, k[:, :, lo: lo + piece], v[:, :, lo: lo + piece])
+
+    def _submit_piece(self, archive: ExactArchive, k: torch.Tensor, v: torch.Tensor) -> None:
+        start, tokens = archive.length, k.shape[2]
         self.slots.acquire()
         try:
             base = self._staging(2 * k.numel(), k.dtype, k.device)
