@@ -111,6 +111,7 @@ def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: t
     finally:
         if tiering is not None:
             tiering.shutdown(wait=True)
+        cache.pinned_budgets = None
 
 
 def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writer, side, tiering) -> torch.Tensor:
@@ -144,6 +145,7 @@ def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writ
             hidden[:, s:e] = x + mlp(block.post_attention_layernorm(x))
         if side is None:
             _adopt(cache, index, keys, values, host_positions, writer)
+            _pin_budgets(cache, index, length)
             cache.retier_layer(index, last_queries)
         else:  # tier this layer on a side stream and thread while the next layer computes
             ready = torch.cuda.Event()
@@ -156,10 +158,18 @@ def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writ
     if pending is not None:
         pending.result()
         torch.cuda.current_stream().wait_stream(side)
+    cache.pinned_budgets = None
     cache.retiered_at = length
     cache.retiers += 1
     cache.peak_device = max(cache.peak_device, cache.device_bytes())
     return model.lm_head(base.norm(hidden[:, -1:]))[:, -1]
+
+
+def _pin_budgets(cache: TieredCache, index: int, length: int) -> None:
+    """Fix the tier sizes once the first layer is in (``core_tokens: auto`` reads free memory, which changes)."""
+    if index == 0:
+        cache.pinned_budgets = None
+        cache.pinned_budgets = cache.budgets(length)
 
 
 def _tier_beside(cache: TieredCache, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -169,6 +179,7 @@ def _tier_beside(cache: TieredCache, index: int, keys: torch.Tensor, values: tor
     with torch.cuda.stream(side):
         side.wait_event(ready)
         _adopt(cache, index, keys, values, positions, writer)
+        _pin_budgets(cache, index, keys.shape[2])
         cache.retier_layer(index, queries)
         layer = cache.layers[index]
         # The tiers were allocated on the side stream and are read on the main one from now on: tell the allocator,

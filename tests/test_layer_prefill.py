@@ -248,3 +248,16 @@ def test_graph_with_a_skip_set_leaves_the_model_intact() -> None:
     with pytest.raises(ValueError, match="skip_mlp names layers"):
         GraphDecoder(model, cache, max_new=4, first_token=tok, skip_mlp=[7])
     assert [b.mlp for b in model.model.layers] == mlps
+
+
+def test_auto_core_budget_gives_every_layer_the_same_tiers(monkeypatch) -> None:
+    from runtime.kv import config as kv_config
+
+    free = iter(range(300_000, 0, -40_000))  # free memory shrinks as layers fill: sizes must not follow it
+    monkeypatch.setattr(kv_config, "free_device_bytes", lambda _device: next(free))
+    model = tiny(layers=3)
+    cache = TieredCache(model.config, {**KV, "core_tokens": "auto"})
+    layer_major_prefill(model, cache, doc(900), chunk=256)
+    cores = {layer.n_core for layer in cache.layers}
+    assoc = {layer.n_assoc for layer in cache.layers}
+    assert len(cores) == 1 and len(assoc) == 1 and cache.pinned_budgets is None

@@ -49,6 +49,9 @@ class TieredCache(Cache):
         self.retiered_at = 0  # length at the last re-tier
         self.retiers = 0
         self.peak_device = 0  # largest device_bytes() seen after a forward pass or a re-tier
+        #: (core, association) fixed for a layer-by-layer fill (runtime.layer_prefill): every layer must get the
+        #: same sizes even when ``core_tokens: auto`` sees free memory change between layers.
+        self.pinned_budgets: tuple[int, int] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +86,12 @@ class TieredCache(Cache):
     def budgets(self, length: int | None = None) -> tuple[int, int]:
         """(core, association) token counts per layer and head for ``length`` cached tokens."""
         length = self.get_seq_length() if length is None else length
-        layer = self.layers[0]
+        if self.pinned_budgets is not None:
+            return self.pinned_budgets
+        layer = next((l for l in self.layers if l.is_initialized), self.layers[0])
         if self.kv.core_tokens == "auto":
-            per_token = sum(l.token_bytes() for l in self.layers)
+            # every layer is the same size; counted from one, so the answer does not depend on how many are filled
+            per_token = layer.token_bytes() * len(self.layers)
             core = auto_core_tokens(layer.device, per_token, length)
         else:
             core = resolve_budget(self.kv.core_tokens, length)
