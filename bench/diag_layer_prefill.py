@@ -43,6 +43,19 @@ def timed(table: dict, name: str, fn):
     return wrapper
 
 
+def tiered_prefill(model, ids: torch.Tensor, chunk: int, writer: ArchiveWriter, overlap: bool):
+    """One layer-major prefill into a fresh cache: (cache, {s to the logits, s more until the archive is written,
+    peak GB})."""
+    fresh()
+    t0 = sync_time()
+    cache = KernelTieredCache(model.config, KV)
+    layer_prefill.layer_major_prefill(model, cache, ids, chunk=chunk, writer=writer, overlap=overlap)
+    total = sync_time() - t0
+    for layer in cache.layers:
+        layer.archive.settle()
+    return cache, {"s": total, "settle_s": sync_time() - t0 - total, "peak_gb": torch.cuda.max_memory_allocated() / GB}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=131072)
@@ -85,31 +98,15 @@ def main() -> None:
         build = AssociationStore.build
         AssociationStore.build = classmethod(timed(table, "association_build", build.__func__))
         writer = ArchiveWriter()
-        fresh()
-        t0 = sync_time()
-        cache = KernelTieredCache(model.config, KV)
-        layer_prefill.layer_major_prefill(model, cache, ids, chunk=args.chunk, writer=writer, overlap=False)
-        total = sync_time() - t0
-        for layer in cache.layers:
-            layer.archive.settle()
-        res["layer_major_tiered"] = {"s": total, "settle_s": sync_time() - t0 - total,
-                                     "peak_gb": torch.cuda.max_memory_allocated() / GB, "steps": dict(table),
-                                     "archive_workers": writer.workers,
-                                     "archive_ratio": cache.host_bytes() / max(1, cache.full_bytes())}
+        cache, res["layer_major_tiered"] = tiered_prefill(model, ids, args.chunk, writer, overlap=False)
+        res["layer_major_tiered"].update({"steps": dict(table), "archive_workers": writer.workers,
+                                          "archive_ratio": cache.host_bytes() / max(1, cache.full_bytes())})
         for obj, name, fn in originals:
             setattr(obj, name, fn)
         AssociationStore.build = build
         del cache
         # the real thing: each layer tiered on a side stream while the next one computes (no timers in the way)
-        fresh()
-        t0 = sync_time()
-        cache = KernelTieredCache(model.config, KV)
-        layer_prefill.layer_major_prefill(model, cache, ids, chunk=args.chunk, writer=writer, overlap=True)
-        total = sync_time() - t0
-        for layer in cache.layers:
-            layer.archive.settle()
-        res["layer_major_tiered_overlapped"] = {"s": total, "settle_s": sync_time() - t0 - total,
-                                                "peak_gb": torch.cuda.max_memory_allocated() / GB}
+        _, res["layer_major_tiered_overlapped"] = tiered_prefill(model, ids, args.chunk, writer, overlap=True)
     print(json.dumps(res, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))

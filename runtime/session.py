@@ -260,19 +260,18 @@ class Session:
 
         if self.device.type == "cuda" and self._writer is None:
             self._writer = ArchiveWriter()
-        inputs = ({"input_ids": torch.tensor([ids], dtype=torch.long, device=self.device)} if embeds is None
-                  else {"inputs_embeds": embeds.to(self.device, self.model.dtype).unsqueeze(0)})
-        layer_major_prefill(self.model, self.cache, chunk=chunk_size, writer=self._writer,
-                            **inputs)
+        layer_major_prefill(self.model, self.cache, chunk=chunk_size, writer=self._writer, **self._inputs(ids, embeds))
+
+    def _inputs(self, ids: Sequence[int], embeds: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The model's input for ``ids`` as one batch row: their ids, or their ``embeds`` rows when given."""
+        if embeds is None:
+            return {"input_ids": torch.tensor([list(ids)], dtype=torch.long, device=self.device)}
+        return {"inputs_embeds": embeds.to(self.device, self.model.dtype).unsqueeze(0)}
 
     def _forward(self, ids: Sequence[int], embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``ids`` (or their ``embeds`` rows) through the model on top of the cache; the last position's logits."""
         past = self.cache.get_seq_length()
         positions = torch.arange(past, past + len(ids), device=self.device).unsqueeze(0)
-        if embeds is None:
-            inputs = {"input_ids": torch.tensor([list(ids)], dtype=torch.long, device=self.device)}
-        else:
-            inputs = {"inputs_embeds": embeds.to(self.device, self.model.dtype).unsqueeze(0)}
-        out = self.model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1,
+        out = self.model(**self._inputs(ids, embeds), position_ids=positions, use_cache=True, logits_to_keep=1,
                          **{self._cache_kwarg: self.cache})
         return out.logits[0, -1]
