@@ -8,8 +8,11 @@ device KV bytes, peak device memory; and the bandwidth floor from a measured cop
 The tiered cache is filled by the layer-major prefill (runtime.layer_prefill: one layer over the whole document at a
 time, tiered as soon as it is full on a side stream while the next layer computes, its exact K/V archived to the host
 by background threads), then decoded from the same state (rolled back in between): through the dequantising
-reference path (``tiered``), the fused kernel (``tiered_kernel``), the fused kernel inside one CUDA graph per step
-(``tiered_graph``), and that graph with a static MLP skip set (``tiered_graph_pruned``, see choose_skip_mlp). At the
+reference path (``tiered``), the fused kernel (``tiered_kernel``), one CUDA graph per step of the explicit decode
+forward with its fused ops (``tiered_graph``, runtime.gpu.decode_step), a graph of the model's own forward through the
+same kernel (``tiered_graph_model_forward``: what the fused ops save), and the explicit graph with a static MLP skip
+set (``tiered_graph_pruned``, see choose_skip_mlp). Each tiered prefill records its per-layer timeline (GPU compute,
+host tiering, waits). At the
 longest context ``batched`` decodes as many replicated documents as fit, in one graph.
 
 Run on the GPU machine:  python3 bench/bench_gpu_128k.py --contexts 8192 32768 131072 --out $OUT/gpu_128k.json
@@ -174,15 +177,19 @@ def run_context(model, length: int, args, bw: float, weights_read: int, writer: 
     # ---- tiered: one layer-major prefill (each layer tiered as soon as it is full), then three decode paths ----
     fresh()
     model.config._attn_implementation = register_attention()
-    tiered_runs = []
+    tiered_runs, timelines = [], []
     for _ in range(args.ttft_repeats if length == max(args.contexts) else 1):
         cache = None
         fresh()
         cache = KernelTieredCache(model.config, KV)
+        timeline: list[dict] = []
+        packed, waited = writer.pack_s, writer.wait_s
         t0 = sync_time()
-        logits = layer_major_prefill(model, cache, ids, chunk=args.chunk, writer=writer)
+        logits = layer_major_prefill(model, cache, ids, chunk=args.chunk, writer=writer, timeline=timeline)
         tok = logits.argmax(-1, keepdim=True)
         tiered_runs.append(sync_time() - t0)
+        timelines.append(timeline_summary(timeline, tiered_runs[-1], writer.pack_s - packed, writer.wait_s - waited))
+        print(f"[{length}] tiered prefill timeline: {timelines[-1]['totals']}", flush=True)
     ttft = min(tiered_runs)
     for layer in cache.layers:
         layer.archive.settle()
@@ -193,7 +200,7 @@ def run_context(model, length: int, args, bw: float, weights_read: int, writer: 
     read = tiers["core"] + tiers["association"]
     floor = (weights_read + read) / bw
     prefix = cache.get_seq_length()
-    common = {"ttft_s": ttft, "ttft_runs_s": tiered_runs, "archive_settled_after_first_token_s": settle, "kv_device_bytes": kvd,
+    common = {"ttft_s": ttft, "ttft_runs_s": tiered_runs, "prefill_timelines": timelines, "archive_settled_after_first_token_s": settle, "kv_device_bytes": kvd,
               "tier_bytes": tiers, "tier_tokens": cache.tier_tokens(), "kv_peak_device_bytes": cache.peak_device,
               "floor_ms_per_token": floor * 1e3, "tier_bytes_read_per_token": read,
               "prefill_peak_device_gb": prefill_peak / GB,
@@ -218,7 +225,8 @@ def run_context(model, length: int, args, bw: float, weights_read: int, writer: 
           f"{check['kernel_tb_s']:.2f} TB/s", flush=True)
     # ---- the fused kernel inside one CUDA graph per decode step; then with a static MLP skip set ----
     skip = choose_skip_mlp(model, cache, tok, args.skip_mlp) if args.skip_mlp else []
-    for name, skip_mlp in (("tiered_graph", []), ("tiered_graph_pruned", skip)):
+    graphs = (("tiered_graph", [], True), ("tiered_graph_model_forward", [], False), ("tiered_graph_pruned", skip, True))
+    for name, skip_mlp, explicit in graphs:
         if name == "tiered_graph_pruned" and not skip:
             continue
         try:
@@ -227,7 +235,7 @@ def run_context(model, length: int, args, bw: float, weights_read: int, writer: 
             torch.cuda.reset_peak_memory_stats()
             t0 = sync_time()
             dec = GraphDecoder(model, cache, max_new=args.warmup + args.decode + 2, first_token=tok,
-                               warmup=max(2, args.warmup), skip_mlp=skip_mlp)
+                               warmup=max(2, args.warmup), skip_mlp=skip_mlp, explicit=explicit)
             capture = sync_time() - t0
             t0 = sync_time()
             for _ in range(args.decode):
@@ -255,7 +263,7 @@ def run_context(model, length: int, args, bw: float, weights_read: int, writer: 
     del cache
     fresh()
     base = res["dynamic_cache"]
-    for name in ("tiered", "tiered_kernel", "tiered_graph", "tiered_graph_pruned"):
+    for name in ("tiered", "tiered_kernel", "tiered_graph", "tiered_graph_model_forward", "tiered_graph_pruned"):
         r = res.get(name)
         if r is None or "error" in r:
             continue
@@ -264,6 +272,16 @@ def run_context(model, length: int, args, bw: float, weights_read: int, writer: 
         r["kv_device_ratio"] = r["kv_device_bytes"] / base["kv_device_bytes"]
     base["speedup_vs_dynamic_cache"] = base["ttft_ratio_vs_dynamic_cache"] = base["kv_device_ratio"] = 1.0
     return res
+
+
+def timeline_summary(timeline: list[dict], wall: float, pack_s: float, archive_wait_s: float) -> dict:
+    """Totals of a layer-major prefill's per-layer timeline (see runtime.layer_prefill), and the layers themselves.
+
+    ``compute``: GPU time of the layers; ``tier``: host time tiering them (beside the next layer); ``wait``: the
+    loop blocked on the previous layer's tiering; ``archive_pack_s``: LZ4 worker time (summed over threads)."""
+    totals = {k: sum(r.get(k, 0.0) for r in timeline) for k in ("compute", "tier", "wait", "archive_wait")}
+    totals.update({"wall": wall, "archive_pack_s": pack_s, "archive_wait_total": archive_wait_s})
+    return {"totals": totals, "layers": timeline}
 
 
 def choose_skip_mlp(model, cache, tok: torch.Tensor, count: int) -> list[int]:

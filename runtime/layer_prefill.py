@@ -19,10 +19,11 @@ block at a time, so nothing depends on transformers' internal call signatures.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
-
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from runtime.kv.background import ArchiveWriter
 from runtime.kv.queries import rotate_half
@@ -65,7 +66,7 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
 def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: torch.Tensor | None = None,
                         inputs_embeds: torch.Tensor | None = None, chunk: int = 8192,
                         writer: ArchiveWriter | None = None, query_tokens: int | None = None,
-                        overlap: bool = True) -> torch.Tensor:
+                        overlap: bool = True, timeline: list[dict[str, float]] | None = None) -> torch.Tensor:
     """Prefill an empty :class:`TieredCache` with a document, layer by layer; returns the last position's logits.
 
     Args:
@@ -79,6 +80,10 @@ def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: t
             ``kv.query_tokens``).
         overlap: on CUDA, tier each finished layer on a side stream, from a helper thread, while the next layer
             computes (the tiering is mostly host-side work that would otherwise stall the GPU).
+        timeline: if given, filled with one record per layer (seconds): ``compute`` (the layer's GPU time, CUDA
+            only), ``tier`` (its tiering, host time), ``wait`` (how long the loop waited for the previous layer's
+            tiering before going on) and ``archive_wait`` (how long its archive submission waited for staging
+            buffers). A prefill whose ``wait`` adds up is bound by the host, not by the GPU.
 
     Returns:
         logits ``[B, vocab]`` of the last position (the first generated token's distribution).
@@ -107,18 +112,27 @@ def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: t
     side = torch.cuda.Stream(hidden.device) if overlap else None
     tiering = ThreadPoolExecutor(1, thread_name_prefix="docfuse-tier") if overlap else None
     try:
-        return _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writer, side, tiering)
+        return _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writer, side, tiering,
+                       timeline)
     finally:
         if tiering is not None:
             tiering.shutdown(wait=True)
         cache.pinned_budgets = None
 
 
-def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writer, side, tiering) -> torch.Tensor:
+def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writer, side, tiering, timeline
+            ) -> torch.Tensor:
     """The layer loop of :func:`layer_major_prefill`; returns the last position's logits."""
     b, length, _ = hidden.shape
     pending: Future | None = None
+    events = []
     for index, block in enumerate(base.layers[: len(cache.layers)]):
+        record: dict[str, float] = {}
+        if timeline is not None:
+            timeline.append(record)
+            if hidden.is_cuda:
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
         attn, mlp = _unwrap(block.self_attn), _unwrap(block.mlp)
         d = attn.head_dim
         kv_heads = attn.k_proj.out_features // d
@@ -143,21 +157,27 @@ def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writ
             last_queries = recent if last_queries is None else torch.cat([last_queries, recent], dim=2)[:, :, -m:]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, e - s, -1))
             hidden[:, s:e] = x + mlp(block.post_attention_layernorm(x))
+        if events:
+            events[-1][1].record()
         if side is None:
-            _adopt(cache, index, keys, values, host_positions, writer)
-            _pin_budgets(cache, index, length)
-            cache.retier_layer(index, last_queries)
+            _tier(cache, index, keys, values, host_positions, writer, last_queries, record)
         else:  # tier this layer on a side stream and thread while the next layer computes
             ready = torch.cuda.Event()
             ready.record()
+            t0 = time.perf_counter()
             if pending is not None:
                 pending.result()  # one layer in flight at most: memory stays bounded
+            record["wait"] = time.perf_counter() - t0
             pending = tiering.submit(_tier_beside, cache, index, keys, values, host_positions, writer, last_queries,
-                                     ready, side, torch.cuda.current_stream())
+                                     ready, side, torch.cuda.current_stream(), record)
         del keys, values
     if pending is not None:
         pending.result()
         torch.cuda.current_stream().wait_stream(side)
+    if events:
+        torch.cuda.synchronize()
+        for record, (start, end) in zip(timeline, events):
+            record["compute"] = start.elapsed_time(end) / 1e3
     cache.pinned_budgets = None
     cache.retiered_at = length
     cache.retiers += 1
@@ -172,15 +192,25 @@ def _pin_budgets(cache: TieredCache, index: int, length: int) -> None:
         cache.pinned_budgets = cache.budgets(length)
 
 
+def _tier(cache: TieredCache, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+          writer: ArchiveWriter | None, queries: torch.Tensor, record: dict[str, float]) -> None:
+    """Adopt, archive and tier the finished layer ``index``; its host time (and archive waits) go to ``record``."""
+    t0 = time.perf_counter()
+    waited = writer.wait_s if writer is not None else 0.0
+    _adopt(cache, index, keys, values, positions, writer)
+    _pin_budgets(cache, index, keys.shape[2])
+    cache.retier_layer(index, queries)
+    record["tier"] = time.perf_counter() - t0
+    record["archive_wait"] = (writer.wait_s if writer is not None else 0.0) - waited
+
+
 def _tier_beside(cache: TieredCache, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                  writer: ArchiveWriter | None, queries: torch.Tensor, ready: torch.cuda.Event,
-                 side: torch.cuda.Stream, main: torch.cuda.Stream) -> None:
+                 side: torch.cuda.Stream, main: torch.cuda.Stream, record: dict[str, float]) -> None:
     """Adopt and tier layer ``index`` on the ``side`` stream once ``ready`` (its last chunk) has run."""
     with torch.cuda.stream(side):
         side.wait_event(ready)
-        _adopt(cache, index, keys, values, positions, writer)
-        _pin_budgets(cache, index, keys.shape[2])
-        cache.retier_layer(index, queries)
+        _tier(cache, index, keys, values, positions, writer, queries, record)
         layer = cache.layers[index]
         # The tiers were allocated on the side stream and are read on the main one from now on: tell the allocator,
         # so that their memory is not handed out again while main-stream work may still read it.

@@ -261,3 +261,15 @@ def test_auto_core_budget_gives_every_layer_the_same_tiers(monkeypatch) -> None:
     cores = {layer.n_core for layer in cache.layers}
     assoc = {layer.n_assoc for layer in cache.layers}
     assert len(cores) == 1 and len(assoc) == 1 and cache.pinned_budgets is None
+
+
+def test_the_timeline_says_where_each_layers_time_went() -> None:
+    model = tiny(layers=3)
+    timeline: list[dict[str, float]] = []
+    with ArchiveWriter(workers=2) as writer:
+        layer_major_prefill(model, TieredCache(model.config, KV), doc(700), chunk=256, writer=writer,
+                            timeline=timeline)
+        assert writer.pack_s > 0 and writer.wait_s >= 0
+    assert len(timeline) == 3
+    for record in timeline:
+        assert record["tier"] > 0 and record["archive_wait"] >= 0 and "compute" not in record  # no GPU: no events

@@ -2,8 +2,8 @@
 
 One program per (batch row, KV head, split of the tokens): it loads the GQA group's query rows once, walks its share
 of the association tier (packed bytes -> two nibbles -> fp16 scale/zero affine, in registers) and of the core tier
-(bf16), with an online softmax, and writes a partial (max, sum, weighted values). ``_combine`` merges the splits
-(flash-decoding). No dequantised copy of the association tier ever exists in device memory.
+(bf16), with an online softmax, and writes a partial (max, sum, weighted values). ``combine_splits`` merges the splits
+(flash-decoding, :func:`runtime.gpu.fused_ops.combine_splits`). No dequantised copy of the association tier ever exists in device memory.
 
 Layouts are those of :mod:`runtime.kv.quant`: key codes ``[B, H, T_pad, D/2]`` with per-channel scale/zero per block
 of ``group`` tokens ``[B, H, T_pad/group, 1, D]``; value codes ``[B, H, T, D/2]`` with per-token scale/zero per
@@ -19,14 +19,8 @@ import torch
 
 from runtime.kv.association import AssociationStore
 
-try:  # Triton is absent on CPU-only machines (CI): the module still imports, HAS_TRITON says whether it can run
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = tl = None
-    HAS_TRITON = False
+from runtime.gpu.fused_ops import combine_splits
+from runtime.gpu.triton_support import HAS_TRITON, tl, triton
 
 LOG2E = 1.4426950408889634
 
@@ -155,13 +149,6 @@ if HAS_TRITON:
         tl.store(ACC_OUT + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
 
 
-def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """Merge per-split partial softmax results: m, l [B, Hq, S] (log2 domain), acc [B, Hq, S, D] -> [B, Hq, D]."""
-    top = m.amax(dim=-1, keepdim=True)
-    w = torch.exp2(m - top)  # empty splits have m = -inf -> weight 0
-    return (acc * w.unsqueeze(-1)).sum(dim=2) / (l * w).sum(dim=-1, keepdim=True)
-
-
 def _per_split(tokens: int, splits: int, block_n: int) -> int:
     """Tokens each split walks (a whole number of tiles); the last split masks what lies past the end."""
     return -(-(-(-tokens // splits)) // block_n) * block_n
@@ -231,7 +218,7 @@ def tiered_decode_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch
         KGROUP=kgroup, VGROUP=32, DOT=_dot_dtype(), DYN_CORE=core_count is not None, COMPACT=compact,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return _combine(m, l, acc).to(q.dtype)
+    return combine_splits(m, l, acc, q.dtype)
 
 
 def kernel_flops_bytes(b: int, hq: int, hkv: int, d: int, n_core: int, n_assoc: int, elem: int = 2) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -211,6 +212,10 @@ class ArchiveWriter:
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._free: list[torch.Tensor] = []  # pinned buffers to reuse
         self._lock = threading.Lock()
+        #: seconds ``submit`` waited for a free staging buffer (the host falling behind the GPU), and seconds the
+        #: workers spent packing (summed over threads): where a prefill's time goes when the host is the bottleneck
+        self.wait_s = 0.0
+        self.pack_s = 0.0
 
     def _staging(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         with self._lock:
@@ -240,7 +245,9 @@ class ArchiveWriter:
 
     def _submit_piece(self, archive: ExactArchive, k: torch.Tensor, v: torch.Tensor) -> None:
         start, tokens = archive.length, k.shape[2]
+        t0 = time.perf_counter()
         self.slots.acquire()
+        self.wait_s += time.perf_counter() - t0
         try:
             base = self._staging(2 * k.numel(), k.dtype, k.device)
             host = base[: 2 * k.numel()].view(2, *k.shape)
@@ -265,13 +272,16 @@ class ArchiveWriter:
         gather = self.pool.submit(self._gather, blocks, base)
         archive.add_pending(start + tokens, gather)
 
-    @staticmethod
-    def _pack(host: torch.Tensor, done: Any, lo: int, start: int, block: int, codec: str | None) -> _Block:
+    def _pack(self, host: torch.Tensor, done: Any, lo: int, start: int, block: int, codec: str | None) -> _Block:
         if done is not None:
-            done.synchronize()
+            done.synchronize()  # the copy into the staging buffer
+        t0 = time.perf_counter()
         hi = min(lo + block, host.shape[3])
-        return _Block(start + lo, start + hi, pack_exact(host[0, :, :, lo:hi], codec),
-                      pack_exact(host[1, :, :, lo:hi], codec))
+        out = _Block(start + lo, start + hi, pack_exact(host[0, :, :, lo:hi], codec),
+                     pack_exact(host[1, :, :, lo:hi], codec))
+        with self._lock:
+            self.pack_s += time.perf_counter() - t0
+        return out
 
     def _gather(self, blocks: list[Future], base: torch.Tensor) -> list[_Block]:
         # Runs in the same pool after its blocks (FIFO), so the blocks it waits for are already taken or done.
