@@ -210,7 +210,8 @@ INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.skipif(not ak.HAS_TRITON, reason="needs Triton (its interpreter runs on CPU)")
 def test_every_decode_kernel_under_the_triton_interpreter_matches_its_torch_path() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 

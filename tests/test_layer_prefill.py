@@ -152,6 +152,22 @@ def test_archive_writer_sends_long_tensors_in_pieces_of_whole_blocks(monkeypatch
     assert torch.equal(torch.cat([archive.read(i)[3] for i in range(len(archive.blocks))], 2), k * 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_archive_writer_blocks_are_byte_for_byte_those_of_the_host_packer(dtype: torch.dtype) -> None:
+    from runtime.kv.background import pack_blocks
+
+    k = (torch.randn(2, 3, 530, 16) * 3).to(dtype)  # four whole 128-token blocks and a short one
+    v = torch.randn(2, 3, 530, 16).to(dtype)
+    archive = ExactArchive(block_tokens=128)
+    with ArchiveWriter(workers=2) as writer:
+        writer.submit(archive, k, v)
+    want = pack_blocks(k, v, 0, 128, "lz4")
+    assert [(b.start, b.end) for b in archive.blocks] == [(b.start, b.end) for b in want]
+    for got, exp in zip(archive.blocks, want):
+        for a, b in ((got.keys, exp.keys), (got.values, exp.values)):
+            assert a.planes == b.planes and a.shape == b.shape and a.dtype == b.dtype
+
+
 def test_archive_writer_errors_surface_where_blocks_are_read(monkeypatch) -> None:
     from runtime.kv import background
 
@@ -162,7 +178,7 @@ def test_archive_writer_errors_surface_where_blocks_are_read(monkeypatch) -> Non
     with ArchiveWriter(workers=1) as writer:
         writer.submit(archive, torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4))
         archive.settle()
-        monkeypatch.setattr(background, "pack_exact", broken)
+        monkeypatch.setattr(background, "planes_blob", broken)
         writer.submit(archive, torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4))  # fails in a worker thread
         assert archive.length == 16 and archive.pending
         with pytest.raises(RuntimeError, match="worker died"):

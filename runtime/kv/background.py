@@ -8,6 +8,7 @@ Values are laid out channel-major ([H, D, T]) first so a plane's runs follow one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -59,13 +60,42 @@ def pack_exact(x: torch.Tensor, codec: str | None = "lz4") -> ExactBlob:
     ints = host.contiguous().view(_INT_VIEW[size]).numpy()
     flat = np.ascontiguousarray(np.swapaxes(ints, -1, -2)).reshape(-1).view(np.uint8)
     by_plane = np.ascontiguousarray(flat.reshape(-1, size).T)
+    return planes_blob(by_plane, host.dtype, tuple(host.shape), codec)
+
+
+def planes_blob(by_plane: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], codec: str | None) -> ExactBlob:
+    """An :class:`ExactBlob` of a ``shape`` tensor from its byte planes ``[element size, elements]`` (uint8; plane
+    ``i`` is byte ``i`` of every element, channel-major), as :func:`pack_exact` or :func:`byte_planes` lay them out."""
     planes = []
-    for i in range(size):
-        data = by_plane[i]
+    for data in by_plane:
         packed = lz4.block.compress(data, store_size=True) if codec == "lz4" and data.size else b""
         # A plane LZ4 cannot shrink (low mantissa bytes) is kept raw behind a one-byte tag.
         planes.append(_LZ4 + packed if packed and len(packed) < data.size else _RAW + data.tobytes())
-    return ExactBlob(host.dtype, tuple(host.shape), planes, codec)
+    return ExactBlob(dtype, shape, planes, codec)
+
+
+def byte_planes(k: torch.Tensor, v: torch.Tensor, block: int) -> list[tuple[int, int, torch.Tensor]]:
+    """K/V ``[B, H, T, D]`` as the byte planes of their archive blocks, shuffled where they lie (on the GPU).
+
+    Returns ``(first token, tokens per block, planes)`` groups: ``planes`` is uint8 ``[blocks, 2 (K, V), element
+    size, B*H*D*tokens]``, the whole blocks first, then a shorter last block if ``T`` is not a multiple of ``block``.
+    Each ``planes[j, t]`` is what :func:`pack_exact` would build on the host for that block, so the host is left with
+    LZ4 alone.
+    """
+    b, h, t, d = k.shape
+    size = k.element_size()
+    kv = torch.stack([k, v])
+    full = t // block * block
+    out = []
+    for lo, hi in ((0, full), (full, t)):
+        if hi == lo:
+            continue
+        span = block if hi - lo >= block else hi - lo
+        n = (hi - lo) // span
+        x = kv[:, :, :, lo:hi].reshape(2, b, h, n, span, d).permute(3, 0, 1, 2, 5, 4).contiguous()
+        x = x.view(torch.uint8).reshape(n, 2, -1, size).transpose(2, 3).contiguous()
+        out.append((lo, span, x))
+    return out
 
 
 def unpack_exact(blob: ExactBlob) -> torch.Tensor:
@@ -193,8 +223,9 @@ def pack_blocks(k: torch.Tensor, v: torch.Tensor, start: int, block_tokens: int,
 class ArchiveWriter:
     """Moves exact K/V into archives off the critical path: device -> pinned host buffer -> LZ4 in worker threads.
 
-    ``submit`` records the copy on a side CUDA stream into a pinned staging buffer and returns at once; the GPU goes
-    on computing while the copy engine moves the bytes and the workers compress them (numpy and LZ4 release the GIL).
+    ``submit`` records, on a side CUDA stream, the byte-plane shuffle of the blocks (:func:`byte_planes`, on the GPU)
+    and the copy into a pinned staging buffer, and returns at once; the GPU goes on computing while the copy engine
+    moves the bytes and the workers compress them (LZ4 releases the GIL; the host does no shuffling of its own).
     At most ``staging`` buffers are in flight: a further ``submit`` waits for one, which bounds host memory and makes
     a host that cannot keep up slow the prefill down instead of filling RAM. Off CUDA the copy is a plain one.
 
@@ -217,13 +248,12 @@ class ArchiveWriter:
         self.wait_s = 0.0
         self.pack_s = 0.0
 
-    def _staging(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _staging(self, nbytes: int, pinned: bool) -> torch.Tensor:
         with self._lock:
             for i, buf in enumerate(self._free):
-                if buf.numel() >= numel and buf.dtype == dtype:
+                if buf.numel() >= nbytes:
                     return self._free.pop(i)
-        size = max(numel, STAGING_BYTES // torch.empty((), dtype=dtype).element_size())
-        return torch.empty(size, dtype=dtype, pin_memory=device.type == "cuda")
+        return torch.empty(max(nbytes, STAGING_BYTES), dtype=torch.uint8, pin_memory=pinned)
 
     def submit(self, archive: ExactArchive, k: torch.Tensor, v: torch.Tensor) -> None:
         """Archive ``k``/``v`` [B, H, T, D] at positions ``[archive.length, archive.length + T)``, asynchronously.
@@ -244,41 +274,46 @@ class ArchiveWriter:
             self._submit_piece(archive, k[:, :, lo: lo + piece], v[:, :, lo: lo + piece])
 
     def _submit_piece(self, archive: ExactArchive, k: torch.Tensor, v: torch.Tensor) -> None:
-        start, tokens = archive.length, k.shape[2]
+        start, shape = archive.length, tuple(k.shape)
         t0 = time.perf_counter()
         self.slots.acquire()
         self.wait_s += time.perf_counter() - t0
+        cuda = self.stream is not None and k.is_cuda
         try:
-            base = self._staging(2 * k.numel(), k.dtype, k.device)
-            host = base[: 2 * k.numel()].view(2, *k.shape)
-            if self.stream is not None and k.is_cuda:
+            if cuda:
                 self.stream.wait_stream(torch.cuda.current_stream(k.device))
-                with torch.cuda.stream(self.stream):
-                    host[0].copy_(k, non_blocking=True)
-                    host[1].copy_(v, non_blocking=True)
-                    done = torch.cuda.Event()
+            with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
+                groups = byte_planes(k, v, archive.block_tokens)  # the shuffle runs where the K/V are
+                base = self._staging(sum(g.numel() for _, _, g in groups), pinned=cuda)
+                staged, offset = [], 0
+                for lo, span, g in groups:
+                    host = base[offset: offset + g.numel()].view(g.shape)
+                    host.copy_(g, non_blocking=cuda)
+                    staged.append((lo, span, host))
+                    offset += g.numel()
+                done = torch.cuda.Event() if cuda else None
+                if done is not None:
                     done.record(self.stream)
+            if cuda:
                 k.record_stream(self.stream)
                 v.record_stream(self.stream)
-            else:
-                host[0].copy_(k)
-                host[1].copy_(v)
-                done = None
         except BaseException:
             self.slots.release()
             raise
-        blocks = [self.pool.submit(self._pack, host, done, lo, start, archive.block_tokens, archive.codec)
-                  for lo in range(0, tokens, archive.block_tokens)]
+        blocks = [self.pool.submit(self._pack, host[j], done, start + lo + j * span,
+                                   (shape[0], shape[1], span, shape[3]), k.dtype, archive.codec)
+                  for lo, span, host in staged for j in range(host.shape[0])]
         gather = self.pool.submit(self._gather, blocks, base)
-        archive.add_pending(start + tokens, gather)
+        archive.add_pending(start + shape[2], gather)
 
-    def _pack(self, host: torch.Tensor, done: Any, lo: int, start: int, block: int, codec: str | None) -> _Block:
+    def _pack(self, planes: torch.Tensor, done: Any, start: int, shape: tuple[int, ...], dtype: torch.dtype,
+              codec: str | None) -> _Block:
         if done is not None:
             done.synchronize()  # the copy into the staging buffer
         t0 = time.perf_counter()
-        hi = min(lo + block, host.shape[3])
-        out = _Block(start + lo, start + hi, pack_exact(host[0, :, :, lo:hi], codec),
-                     pack_exact(host[1, :, :, lo:hi], codec))
+        arr = planes.numpy()
+        out = _Block(start, start + shape[2], planes_blob(arr[0], dtype, shape, codec),
+                     planes_blob(arr[1], dtype, shape, codec))
         with self._lock:
             self.pack_s += time.perf_counter() - t0
         return out
