@@ -43,23 +43,60 @@ def timed(table: dict, name: str, fn):
     return wrapper
 
 
-def tiered_prefill(model, ids: torch.Tensor, chunk: int, writer: ArchiveWriter, overlap: bool):
+def tiered_prefill(model, ids: torch.Tensor, chunk: int, writer: ArchiveWriter | None, overlap: bool,
+                   kv: dict | None = None):
     """One layer-major prefill into a fresh cache: (cache, {s to the logits, s more until the archive is written,
-    peak GB})."""
+    peak GB, the timeline's totals})."""
     fresh()
+    timeline: list[dict] = []
+    packed = writer.pack_s if writer is not None else 0.0
     t0 = sync_time()
-    cache = KernelTieredCache(model.config, KV)
-    layer_prefill.layer_major_prefill(model, cache, ids, chunk=chunk, writer=writer, overlap=overlap)
+    cache = KernelTieredCache(model.config, kv or KV)
+    layer_prefill.layer_major_prefill(model, cache, ids, chunk=chunk, writer=writer, overlap=overlap,
+                                      timeline=timeline)
     total = sync_time() - t0
     for layer in cache.layers:
         layer.archive.settle()
-    return cache, {"s": total, "settle_s": sync_time() - t0 - total, "peak_gb": torch.cuda.max_memory_allocated() / GB}
+    totals = {k: sum(r.get(k, 0.0) for r in timeline) for k in ("compute", "tier", "wait")}
+    totals["archive_pack_s"] = (writer.pack_s if writer is not None else 0.0) - packed
+    return cache, {"s": total, "settle_s": sync_time() - t0 - total, "peak_gb": torch.cuda.max_memory_allocated() / GB,
+                   "timeline": totals}
+
+
+def variants(model, ids: torch.Tensor, chunk: int) -> dict:
+    """Overlapped layer-major prefills with one part of the host work switched off at a time: which part slows the
+    GPU's own compute down (each row's ``timeline.compute`` against ``dense``'s)."""
+    out = {}
+    saved = tiered_module.TieredCache.retier_layer
+    try:
+        tiered_module.TieredCache.retier_layer = lambda self, i, q: None
+        _, out["dense"] = tiered_prefill(model, ids, chunk, None, overlap=True)
+        with ArchiveWriter() as writer:
+            _, out["archive_only"] = tiered_prefill(model, ids, chunk, writer, overlap=True)
+    finally:
+        tiered_module.TieredCache.retier_layer = saved
+    with ArchiveWriter() as writer:
+        _, out["tier_and_archive_no_lz4"] = tiered_prefill(model, ids, chunk, writer, overlap=True,
+                                                           kv={**KV, "background": None})
+    for workers in (8, 2):
+        with ArchiveWriter(workers=workers) as writer:
+            _, out[f"full_{workers}_workers"] = tiered_prefill(model, ids, chunk, writer, overlap=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        with ArchiveWriter() as writer:
+            _, out["full_switch_interval_0.1ms"] = tiered_prefill(model, ids, chunk, writer, overlap=True)
+    finally:
+        sys.setswitchinterval(interval)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=131072)
     parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--variants", action="store_true",
+                        help="only the overlapped prefill with parts of the host work switched off (see variants)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "layer_prefill_diag.json")
     args = parser.parse_args()
     model = build_model()
@@ -78,6 +115,12 @@ def main() -> None:
             if not warm:
                 res["token_major"] = {"s": sync_time() - t0, "peak_gb": torch.cuda.max_memory_allocated() / GB}
         model.config._attn_implementation = register_attention()
+        if args.variants:
+            res["variants"] = variants(model, ids, args.chunk)
+            print(json.dumps(res, indent=1))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(res, indent=1))
+            return
 
         # compute alone: tiering and archiving switched off (every layer keeps its full K/V)
         saved = tiered_module.TieredCache.retier_layer

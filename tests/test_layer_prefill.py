@@ -289,3 +289,28 @@ def test_the_timeline_says_where_each_layers_time_went() -> None:
     assert len(timeline) == 3
     for record in timeline:
         assert record["tier"] > 0 and record["archive_wait"] >= 0 and "compute" not in record  # no GPU: no events
+
+
+def test_the_gil_hands_off_quickly_while_helper_threads_run_and_the_setting_comes_back() -> None:
+    import sys
+
+    model = tiny(layers=2)
+    seen: list[float] = []
+    norm = model.model.layers[1].input_layernorm
+    handle = norm.register_forward_hook(lambda *_: seen.append(sys.getswitchinterval()))
+    before = sys.getswitchinterval()
+    try:
+        with ArchiveWriter(workers=2) as writer:
+            layer_major_prefill(model, TieredCache(model.config, KV), doc(300), chunk=128, writer=writer,
+                                handoff_s=2e-4)
+        assert seen and all(s == pytest.approx(2e-4) for s in seen)
+        assert sys.getswitchinterval() == before
+        seen.clear()
+        layer_major_prefill(model, TieredCache(model.config, KV), doc(300), chunk=128, writer=None)
+        assert seen and all(s == before for s in seen)  # no helper threads: nothing to hand off to
+        with pytest.raises(ValueError, match="handoff_s"):
+            with ArchiveWriter(workers=1) as writer:
+                layer_major_prefill(model, TieredCache(model.config, KV), doc(300), writer=writer, handoff_s=0)
+        assert sys.getswitchinterval() == before
+    finally:
+        handle.remove()
