@@ -153,14 +153,21 @@ def test_archive_writer_sends_long_tensors_in_pieces_of_whole_blocks(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_archive_writer_blocks_are_byte_for_byte_those_of_the_host_packer(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("arena", ["new", None])
+def test_archive_writer_blocks_are_byte_for_byte_those_of_the_host_packer(dtype: torch.dtype, arena) -> None:
     from runtime.kv.background import pack_blocks
+    from runtime.kv.host_arena import HostArena
 
     k = (torch.randn(2, 3, 530, 16) * 3).to(dtype)  # four whole 128-token blocks and a short one
     v = torch.randn(2, 3, 530, 16).to(dtype)
     archive = ExactArchive(block_tokens=128)
-    with ArchiveWriter(workers=2) as writer:
+    arena = HostArena(chunk_bytes=20000) if arena else None  # small chunks: blocks span several
+    with ArchiveWriter(workers=2, arena=arena) as writer:
         writer.submit(archive, k, v)
+    kind = memoryview if arena else bytes
+    assert all(isinstance(p, kind) for b in archive.blocks for p in b.keys.planes + b.values.planes)
+    assert arena is None or arena.mapped_bytes >= archive.nbytes()
+    assert torch.equal(torch.cat([archive.read(i)[2] for i in range(len(archive.blocks))], 2), k)
     want = pack_blocks(k, v, 0, 128, "lz4")
     assert [(b.start, b.end) for b in archive.blocks] == [(b.start, b.end) for b in want]
     for got, exp in zip(archive.blocks, want):
@@ -314,3 +321,26 @@ def test_the_gil_hands_off_quickly_while_helper_threads_run_and_the_setting_come
         assert sys.getswitchinterval() == before
     finally:
         handle.remove()
+
+
+def test_host_arena_hands_out_disjoint_slices_and_gives_large_pieces_their_own_map() -> None:
+    import numpy as np
+
+    from runtime.kv.host_arena import HostArena
+
+    arena = HostArena(chunk_bytes=1000, first_chunk_bytes=250)
+    views = [arena.take(90) for _ in range(30)]  # chunks of 250, 500, 1000, 1000, 1000: 2 + 5 + 11 + 11 + 1 slices
+    for i, view in enumerate(views):
+        view[:] = bytes([i]) * 90
+    assert all(bytes(view) == bytes([i]) * 90 for i, view in enumerate(views))
+    assert arena.mapped_bytes == 3750
+    big = arena.take(600)  # over a quarter of a chunk: a map of its own, the open chunk is left as it was
+    assert len(big) == 600 and arena.mapped_bytes == 4350
+    assert len(arena.take(90)) == 90 and arena.mapped_bytes == 4350
+    assert bytes(arena.tagged(b"\x01", b"abc")) == b"\x01abc"
+    payload = np.arange(7, dtype=np.uint8)
+    assert bytes(arena.tagged(b"\x00", payload)) == b"\x00" + payload.tobytes()
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        HostArena(chunk_bytes=0)
+    with pytest.raises(ValueError, match="first_chunk_bytes"):
+        HostArena(first_chunk_bytes=-1)
