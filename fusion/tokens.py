@@ -57,16 +57,30 @@ def align_words(text: str, words: Sequence[Word]) -> list[tuple[int, int, int]]:
 
 
 def char_boxes(text: str, words: Sequence[Word], page_width: float, page_height: float) -> np.ndarray:
-    """``[len(text), 4]`` grid box of every character: its slice of its word's box, ``NO_BOX`` outside words."""
+    """``[len(text), 4]`` grid box of every character: its slice of its word's box, ``NO_BOX`` outside words.
+
+    A word of ``n`` characters is cut at ``np.linspace(x0, x1, n + 1)``; the cuts are computed for every word at
+    once, with linspace's own arithmetic (``j * step + x0``, the last cut exactly ``x1``), so the boxes are the
+    ones a per-word linspace gives, bit for bit (a test keeps it so)."""
     boxes = np.full((len(text), 4), -1.0, dtype=np.float32)
+    spans = align_words(text, words)
+    if not spans:
+        return boxes
     sx, sy = GRID / float(page_width), GRID / float(page_height)
-    for start, end, index in align_words(text, words):
-        w = words[index]
-        edges = np.linspace(w.x0, w.x1, end - start + 1, dtype=np.float64) * sx
-        boxes[start:end, 0] = edges[:-1]
-        boxes[start:end, 2] = edges[1:]
-        boxes[start:end, 1] = w.y0 * sy
-        boxes[start:end, 3] = w.y1 * sy
+    start, end, index = (np.array(col, dtype=np.int64) for col in zip(*spans))
+    coords = np.array([(words[i].x0, words[i].y0, words[i].x1, words[i].y1) for i in index], dtype=np.float64)
+    count = end - start
+    word = np.repeat(np.arange(len(spans)), count)                 # the span of every covered character
+    j = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)  # its place in its word
+    x0, x1 = coords[word, 0], coords[word, 2]
+    step = (x1 - x0) / count[word]
+    left = (j * step + x0) * sx
+    right = np.where(j + 1 == count[word], x1, (j + 1) * step + x0) * sx
+    chars = np.repeat(start, count) + j
+    boxes[chars, 0] = left
+    boxes[chars, 2] = right
+    boxes[chars, 1] = coords[word, 1] * sy
+    boxes[chars, 3] = coords[word, 3] * sy
     return np.clip(boxes, -1.0, GRID)
 
 
@@ -82,10 +96,19 @@ def tokenize_page(tokenizer: Any, text: str, words: Sequence[Word], page_width: 
 def span_boxes(chars: np.ndarray, offsets: Sequence[tuple[int, int]]) -> np.ndarray:
     """The union of the character boxes in each ``(start, end)`` span; ``NO_BOX`` when none has a box."""
     out = np.full((len(offsets), 4), -1.0, dtype=np.float32)
-    for t, (start, end) in enumerate(offsets):
-        part = chars[start:end]
-        part = part[part[:, 2] >= 0]  # as coords.has_box: x0 may be clipped at a page edge
-        if len(part):
-            out[t] = (part[:, 0].min(), part[:, 1].min(), part[:, 2].max(), part[:, 3].max())
+    if len(offsets) == 0 or len(chars) == 0:
+        return out
+    spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).clip(0, len(chars))
+    boxed = chars[:, 2] >= 0  # as coords.has_box: x0 may be clipped at a page edge
+    # min of x0/y0 and max of x1/y1 over each span, characters without a box left out (+-inf), one sentinel row so
+    # a span may end at the text's end; reduceat reduces [start, end) at even places (odd places are discarded)
+    lo = np.where(boxed[:, None], chars[:, :2], np.inf)
+    hi = np.where(boxed[:, None], chars[:, 2:], -np.inf)
+    lo = np.vstack([lo, np.full((1, 2), np.inf)])
+    hi = np.vstack([hi, np.full((1, 2), -np.inf)])
+    cuts = spans.reshape(-1)
+    mins = np.minimum.reduceat(lo, cuts, axis=0)[0::2]
+    maxs = np.maximum.reduceat(hi, cuts, axis=0)[0::2]
+    found = (spans[:, 1] > spans[:, 0]) & np.isfinite(mins[:, 0])
+    out[found] = np.concatenate([mins, maxs], axis=1)[found]
     return out
-

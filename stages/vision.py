@@ -8,6 +8,7 @@ places each patch with the same 2D coordinate embedding as the words. Weights co
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -116,8 +117,16 @@ class VisionPatches(Stage):
         self._grid = patch_grid(self._geo.rows, self._geo.cols)
 
     def run(self, images: pa.Table) -> pa.Table:
+        import torch
+
         if self._net is None:
             self.setup()
+        # PNG decode, resize and normalisation are single-threaded PIL/numpy work that releases the GIL: a batch's
+        # pages are prepared side by side, one per core torch may use (a quarter of the stage's time otherwise)
+        with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="docfuse-pages") as prep:
+            return self._run(images, prep)
+
+    def _run(self, images: pa.Table, prep: ThreadPoolExecutor) -> pa.Table:
         geo = self._geo
         n = images.num_rows
         cols = {name: images.column(name).to_pylist()
@@ -128,10 +137,13 @@ class VisionPatches(Stage):
         errors: list[str | None] = [None] * n
         pngs = images.column("image")
         for start in range(0, n, self.params.batch_size):  # decode one batch at a time: memory stays bounded
+            batch = list(enumerate(pngs.slice(start, self.params.batch_size).to_pylist(), start))
+            prepared = list(prep.map(lambda item: self._check(item[0], item[1], cols, ink), batch))
             pixels: dict[int, np.ndarray] = {}
-            for i, png in enumerate(pngs.slice(start, self.params.batch_size).to_pylist(), start):
-                errors[i] = self._check(i, png, cols, pixels, ink)
-                if errors[i] is None:
+            for (i, _), (error, page) in zip(batch, prepared):
+                errors[i] = error
+                if error is None:
+                    pixels[i] = page
                     boxes[i] = patch_boxes(cols["page_width"][i], cols["page_height"][i], geo.rows, geo.cols)
             if pixels:
                 features[list(pixels)] = self._encode(np.stack(list(pixels.values())))
@@ -149,21 +161,22 @@ class VisionPatches(Stage):
             "error": pa.array(errors, pa.string()),
         }, schema=schema)
 
-    def _check(self, i: int, png: bytes | None, cols: dict[str, list], pixels: dict[int, np.ndarray],
-               ink: np.ndarray) -> str | None:
-        """Decode row ``i`` into ``pixels``; the error value when its page size or image is unusable."""
+    def _check(self, i: int, png: bytes | None, cols: dict[str, list],
+               ink: np.ndarray) -> tuple[str | None, np.ndarray | None]:
+        """Row ``i``'s normalised pixels (its ink share goes to ``ink[i]``), or the error value when its page size
+        or image is unusable. Runs in the page-preparation threads: it writes only row ``i``."""
         where = f"page {cols['page'][i]} of {cols['source'][i] or cols['doc_id'][i]!r}"
         width, height = cols["page_width"][i], cols["page_height"][i]
         if not _positive(width) or not _positive(height):
             return error_value("bad_page_size", f"{where} has page size {width} x {height} points; "
-                                                "pdf.render must report the page's width and height")
+                                                "pdf.render must report the page's width and height"), None
         try:
-            pixels[i], stretched = load_page(png, self._size, self._mean, self._std)
+            pixels, stretched = load_page(png, self._size, self._mean, self._std)
             ink[i] = patch_ink(stretched, self._geo.rows, self._geo.cols)
         except BadImage as exc:
             return error_value("bad_image", f"{where}: {exc}; re-render the page with pdf.render "
-                                            "(its PNG is corrupt or truncated) or repair the source PDF")
-        return None
+                                            "(its PNG is corrupt or truncated) or repair the source PDF"), None
+        return None, pixels
 
     def _encode(self, batch: np.ndarray) -> np.ndarray:
         """Patch tokens of a batch, prefix (class/register) tokens dropped, as float32 ``[B, N, D]``."""

@@ -531,3 +531,52 @@ def test_a_fusion_without_the_mlp_branch_trains_saves_and_loads(tmp_path) -> Non
     path = checkpoint.save(tmp_path / "f.safetensors", vit, fusion, SPEC, "d", dtype=torch.float32)
     _, back, _, _ = checkpoint.load(path)
     assert back.cross.mlp is None and torch.equal(back.fuse_page(x, boxes, feats, patch_boxes).embeds, y)
+
+
+def _char_boxes_per_word(text, words, page_width, page_height):
+    """The straightforward form of fusion.tokens.char_boxes: one linspace per word."""
+    from fusion.tokens import GRID, align_words
+
+    boxes = np.full((len(text), 4), -1.0, dtype=np.float32)
+    sx, sy = GRID / float(page_width), GRID / float(page_height)
+    for start, end, index in align_words(text, words):
+        w = words[index]
+        edges = np.linspace(w.x0, w.x1, end - start + 1, dtype=np.float64) * sx
+        boxes[start:end, 0], boxes[start:end, 2] = edges[:-1], edges[1:]
+        boxes[start:end, 1], boxes[start:end, 3] = w.y0 * sy, w.y1 * sy
+    return np.clip(boxes, -1.0, GRID)
+
+
+def _span_boxes_per_token(chars, offsets):
+    out = np.full((len(offsets), 4), -1.0, dtype=np.float32)
+    for t, (start, end) in enumerate(offsets):
+        part = chars[start:end]
+        part = part[part[:, 2] >= 0]
+        if len(part):
+            out[t] = (part[:, 0].min(), part[:, 1].min(), part[:, 2].max(), part[:, 3].max())
+    return out
+
+
+def test_vectorised_token_boxes_equal_the_per_word_and_per_token_forms_bit_for_bit() -> None:
+    from fusion.tokens import Word, char_boxes, span_boxes
+
+    rng = np.random.default_rng(3)
+    vocab = ["alpha", "b", "Total", "12,500.00", "x", "overlong-hyphenated", "€", "Ω"]
+    for trial in range(40):
+        picked = rng.choice(vocab, size=int(rng.integers(0, 30)))
+        text = " ".join(picked) + ("\n| tail |" if trial % 3 else "")
+        words, x = [], 10.0
+        for w in picked:
+            width = float(rng.uniform(0, 90)) * (trial % 5 != 0 or len(words) % 2)  # zero-width words too
+            y = float(rng.uniform(-5, 800))
+            words.append(Word(w, x, y, x + width, y + float(rng.uniform(1, 20))))
+            x = float(rng.uniform(-20, 640))  # some boxes run off the page: clipping
+        if trial % 4 == 1:
+            words.append(Word("missing", 1, 1, 2, 2))
+        chars = char_boxes(text, words, 612.0, 792.0)
+        assert np.array_equal(chars, _char_boxes_per_word(text, words, 612.0, 792.0))
+        cuts = np.sort(rng.integers(0, len(text) + 3, size=(int(rng.integers(0, 40)), 2)), axis=1)
+        offsets = [tuple(map(int, c)) for c in cuts] + [(0, 0), (len(text), len(text))]
+        assert np.array_equal(span_boxes(chars, offsets), _span_boxes_per_token(chars, offsets))
+    assert span_boxes(np.zeros((0, 4), np.float32), [(0, 0)]).tolist() == [[-1.0] * 4]
+    assert span_boxes(np.zeros((5, 4), np.float32), []).shape == (0, 4)

@@ -313,3 +313,30 @@ def test_relative_checkpoint_is_found_from_cwd_then_project_root(tmp_path, monke
     assert vision_model.resolve_checkpoint("vision/vit.safetensors") == Path("vision/vit.safetensors")
     with pytest.raises(ValueError, match="'nowhere.safetensors' not found"):
         VisionPatches(checkpoint="nowhere.safetensors").setup()
+
+
+def test_page_preparation_tables_give_the_plain_float32_arithmetic_bit_for_bit() -> None:
+    from fusion.encoder import INK_LEVEL, normalise, patch_ink
+
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, size=(96, 64, 3), dtype=np.uint8)
+    img[:8] = 255  # white paper
+    img[8:16] = rng.integers(200, 210, size=(8, 64, 3))  # around the ink level (0.8 * 255 = 204)
+    for mean, std in (((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))):
+        x = img.astype(np.float32) / 255.0
+        x = (x - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+        assert np.array_equal(normalise(img, mean, std), np.ascontiguousarray(x.transpose(2, 0, 1)))
+    gray = img.astype(np.float32).mean(-1) / 255.0
+    plain = (gray < INK_LEVEL).astype(np.float32).reshape(8, 12, 4, 16).mean(axis=(1, 3)).reshape(-1)
+    got = patch_ink(img, 8, 4)
+    assert got.dtype == np.float32 and np.array_equal(got, plain) and ((got > 0) & (got < 1)).any()
+
+
+def test_pages_prepared_in_threads_come_out_in_row_order(stage, pages) -> None:
+    # a batch bigger than the preparation pool: every row must get its own page's features and boxes
+    table = _table(pages * 3)
+    one_by_one = [stage.run(table.slice(i, 1)) for i in range(table.num_rows)]
+    together = stage.run(table)
+    for i, alone in enumerate(one_by_one):
+        for column in ("patch_features", "patch_boxes", "patch_ink"):
+            assert together.column(column)[i].equals(alone.column(column)[0]), (i, column)
