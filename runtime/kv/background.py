@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lz4.block
 import numpy as np
@@ -240,11 +240,12 @@ class ArchiveWriter:
             the GIL with the thread that drives the GPU).
         staging: pinned buffers (of ``STAGING_BYTES``) in flight.
         arena: host memory the archived blocks are written into (default: a fresh :class:`HostArena`, whose
-            pre-faulted chunks spare the process millions of page faults; ``None``: plain ``bytes``).
+            pre-faulted chunks spare the process millions of page faults; ``None``: plain ``bytes``). The writer
+            keeps the arena's open chunk (up to ``CHUNK_BYTES``) mapped while it lives.
     """
 
     def __init__(self, workers: int | None = None, staging: int = 8,
-                 arena: HostArena | None | str = "new") -> None:
+                 arena: HostArena | None | Literal["new"] = "new") -> None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.workers = max(1, min(8, cpus) if workers is None else workers)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="docfuse-archive")
