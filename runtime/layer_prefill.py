@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -134,20 +135,34 @@ def layer_major_prefill(model: torch.nn.Module, cache: TieredCache, input_ids: t
         cache.pinned_budgets = None
 
 
+_HANDOFF_LOCK = threading.Lock()
+_handoff_users: list[float] = []  # the intervals asked for by prefills running now, in any thread
+_handoff_saved = 0.0  # the interval before the first of them
+
+
 @contextlib.contextmanager
 def _quick_handoff(interval: float | None) -> Iterator[None]:
-    """Shorten the GIL switch interval for the block (process-wide: Python has no per-thread priority)."""
+    """Shorten the GIL switch interval for the block (process-wide: Python has no per-thread priority).
+
+    Prefills may overlap in several threads: the interval is the shortest any of them asked for, and the one from
+    before the first comes back when the last one ends."""
+    global _handoff_saved
     if interval is None:
         yield
         return
     if interval <= 0:
         raise ValueError(f"handoff_s must be a positive number of seconds (or None), got {interval}")
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(min(saved, interval))
+    with _HANDOFF_LOCK:
+        if not _handoff_users:
+            _handoff_saved = sys.getswitchinterval()
+        _handoff_users.append(interval)
+        sys.setswitchinterval(min(_handoff_saved, *_handoff_users))
     try:
         yield
     finally:
-        sys.setswitchinterval(saved)
+        with _HANDOFF_LOCK:
+            _handoff_users.remove(interval)
+            sys.setswitchinterval(min(_handoff_saved, *_handoff_users) if _handoff_users else _handoff_saved)
 
 
 def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writer, side, tiering, timeline

@@ -344,3 +344,21 @@ def test_host_arena_hands_out_disjoint_slices_and_gives_large_pieces_their_own_m
         HostArena(chunk_bytes=0)
     with pytest.raises(ValueError, match="first_chunk_bytes"):
         HostArena(first_chunk_bytes=-1)
+
+
+def test_overlapping_prefills_restore_the_gil_interval_only_when_the_last_one_ends() -> None:
+    import sys
+
+    from runtime.layer_prefill import _quick_handoff
+
+    before = sys.getswitchinterval()
+    with _quick_handoff(3e-4):
+        assert sys.getswitchinterval() == pytest.approx(3e-4)
+        inner = _quick_handoff(1e-4)
+        inner.__enter__()
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        with _quick_handoff(2e-4):
+            assert sys.getswitchinterval() == pytest.approx(1e-4)  # the shortest asked for wins
+        inner.__exit__(None, None, None)  # ends before the outer one: the outer interval is back
+        assert sys.getswitchinterval() == pytest.approx(3e-4)
+    assert sys.getswitchinterval() == before
