@@ -1,19 +1,25 @@
 """Issue 5 figures: fusion gates, patches + fusion pages/s on CPU at 96 dpi, QA over image-only pages.
 
     .venv/bin/python bench/bench_fusion.py [--pages 32] [--qa 10]
+    .venv/bin/python bench/bench_fusion.py --against REV   # speed of this tree against commit REV, interleaved
 
 - speed: synthetic pages (fusion.synth) rendered at 96 dpi; vision.patches with the shipped ViT (1024x768) and
   fusion.gate (apply: always, so the fusion really runs) timed per page, after a warm-up; anchor: pdf.text
   (layout) on the same pages in the same run.
 - qa: image-only pages (a fact drawn as an image, no text layer) through pdf_qa, text-only vs fusion forced on.
 - gates: tanh of each gate of the shipped checkpoint.
+- against: the speed part (float32 ViT) for a worktree of commit REV and for this tree, alternating, each run in a
+  fresh process, ``--repeats`` times: on a shared machine only a side-by-side ratio means anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,11 +114,52 @@ def qa(n: int, tmp: Path) -> dict:
     return out
 
 
+_ONE_SPEED_RUN = """
+import json, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/bench")
+from bench_fusion import speed
+with tempfile.TemporaryDirectory() as tmp:
+    print(json.dumps(speed(int(sys.argv[2]), Path(tmp), "float32")))
+"""
+
+
+def against(rev: str, pages: int, repeats: int) -> dict:
+    """Speed of a worktree of ``rev`` and of this tree, interleaved, each run in a fresh process."""
+    root = Path(__file__).resolve().parents[1]
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "before"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old), rev], cwd=root, check=True)
+        try:
+            for _ in range(repeats):
+                for side, tree in (("before", old), ("after", root)):
+                    out = subprocess.run([sys.executable, "-c", _ONE_SPEED_RUN, str(tree), str(pages)], check=True,
+                                         capture_output=True, text=True, env=os.environ.copy())
+                    runs.append({"side": side, **json.loads(out.stdout.strip().splitlines()[-1])})
+                    print(runs[-1], flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=root, check=False)
+    key = "patches_and_fusion_pages_per_s"
+    ratios = [a[key] / b[key] for b, a in zip(runs[0::2], runs[1::2])]
+    return {"before": rev, "runs": runs, "after_over_before": [round(r, 3) for r in ratios]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--qa", type=int, default=10, help="0: speed only (both ViT dtypes), saved as fusion_speed")
+    ap.add_argument("--against", metavar="REV", help="speed only, this tree against a worktree of commit REV, "
+                                                     "interleaved; saved as fusion_speed_against")
+    ap.add_argument("--repeats", type=int, default=2, help="pairs of runs for --against")
     args = ap.parse_args()
+    if args.against:
+        result = against(args.against, args.pages, args.repeats)
+        result["command"] = (f".venv/bin/python bench/bench_fusion.py --against {args.against} --pages {args.pages} "
+                             f"--repeats {args.repeats}")
+        print("->", save("fusion_speed_against", result))
+        return
     if args.qa == 0:
         with tempfile.TemporaryDirectory() as tmp:
             runs = [speed(args.pages, Path(tmp) / d, d) for d in ("float32", "bfloat16", "float32", "bfloat16")]
