@@ -25,27 +25,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_gpu_128k import KV, GB, build_model, fresh, sync_time  # noqa: E402
+from bench_gpu_128k import GB, build_model  # noqa: E402
+from diag_layer_prefill import tiered_prefill  # noqa: E402
 from runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
 from runtime.kv.background import ArchiveWriter  # noqa: E402
-from runtime.layer_prefill import layer_major_prefill  # noqa: E402
 
 
 def one(model, ids: torch.Tensor, chunk: int, writer: ArchiveWriter) -> tuple[KernelTieredCache, dict]:
-    fresh()
+    """One overlapped layer-major prefill (diag_layer_prefill.tiered_prefill) and the minor page faults it took."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    packed = writer.pack_s
-    timeline: list[dict] = []
-    t0 = sync_time()
-    cache = KernelTieredCache(model.config, KV)
-    layer_major_prefill(model, cache, ids, chunk=chunk, writer=writer, timeline=timeline)
-    wall = sync_time() - t0
-    for layer in cache.layers:
-        layer.archive.settle()
-    totals = {k: sum(r.get(k, 0.0) for r in timeline) for k in ("compute", "tier", "wait")}
-    return cache, {"s": wall, **totals, "archive_pack_s": writer.pack_s - packed,
-                   "minor_page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
-                   "host_archive_gb": cache.host_bytes() / GB}
+    cache, out = tiered_prefill(model, ids, chunk, writer, overlap=True)
+    out.update(minor_page_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+               host_archive_gb=cache.host_bytes() / GB)
+    return cache, out
 
 
 def main() -> None:

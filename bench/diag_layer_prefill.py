@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_gpu_128k import KV, GB, build_model, fresh, prefill, sync_time  # noqa: E402
+from bench_gpu_128k import KV, GB, build_model, fresh, prefill, sync_time, timeline_summary  # noqa: E402
 from runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
 from runtime.kv import layer as layer_module  # noqa: E402
 from runtime.kv import tiered as tiered_module  # noqa: E402
@@ -44,50 +44,46 @@ def timed(table: dict, name: str, fn):
 
 
 def tiered_prefill(model, ids: torch.Tensor, chunk: int, writer: ArchiveWriter | None, overlap: bool,
-                   kv: dict | None = None):
+                   kv: dict | None = None, handoff_s: float | None = layer_prefill.HANDOFF_S):
     """One layer-major prefill into a fresh cache: (cache, {s to the logits, s more until the archive is written,
     peak GB, the timeline's totals})."""
     fresh()
     timeline: list[dict] = []
-    packed = writer.pack_s if writer is not None else 0.0
+    packed, waited = (writer.pack_s, writer.wait_s) if writer is not None else (0.0, 0.0)
     t0 = sync_time()
     cache = KernelTieredCache(model.config, kv or KV)
     layer_prefill.layer_major_prefill(model, cache, ids, chunk=chunk, writer=writer, overlap=overlap,
-                                      timeline=timeline)
+                                      timeline=timeline, handoff_s=handoff_s)
     total = sync_time() - t0
     for layer in cache.layers:
         layer.archive.settle()
-    totals = {k: sum(r.get(k, 0.0) for r in timeline) for k in ("compute", "tier", "wait")}
-    totals["archive_pack_s"] = (writer.pack_s if writer is not None else 0.0) - packed
+    packed, waited = (writer.pack_s - packed, writer.wait_s - waited) if writer is not None else (0.0, 0.0)
     return cache, {"s": total, "settle_s": sync_time() - t0 - total, "peak_gb": torch.cuda.max_memory_allocated() / GB,
-                   "timeline": totals}
+                   "timeline": timeline_summary(timeline, total, packed, waited)["totals"]}
 
 
 def variants(model, ids: torch.Tensor, chunk: int) -> dict:
     """Overlapped layer-major prefills with one part of the host work switched off at a time: which part slows the
-    GPU's own compute down (each row's ``timeline.compute`` against ``dense``'s)."""
+    GPU's own compute down (each row's ``timeline.compute`` against ``dense``'s). All but the last row keep Python's
+    own GIL switch interval, as the prefill did before its hand-off existed; the last one hands off every 0.1 ms."""
     out = {}
     saved = tiered_module.TieredCache.retier_layer
     try:
         tiered_module.TieredCache.retier_layer = lambda self, i, q: None
-        _, out["dense"] = tiered_prefill(model, ids, chunk, None, overlap=True)
+        _, out["dense"] = tiered_prefill(model, ids, chunk, None, overlap=True, handoff_s=None)
         with ArchiveWriter() as writer:
-            _, out["archive_only"] = tiered_prefill(model, ids, chunk, writer, overlap=True)
+            _, out["archive_only"] = tiered_prefill(model, ids, chunk, writer, overlap=True, handoff_s=None)
     finally:
         tiered_module.TieredCache.retier_layer = saved
     with ArchiveWriter() as writer:
         _, out["tier_and_archive_no_lz4"] = tiered_prefill(model, ids, chunk, writer, overlap=True,
-                                                           kv={**KV, "background": None})
+                                                           kv={**KV, "background": None}, handoff_s=None)
     for workers in (8, 2):
         with ArchiveWriter(workers=workers) as writer:
-            _, out[f"full_{workers}_workers"] = tiered_prefill(model, ids, chunk, writer, overlap=True)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    try:
-        with ArchiveWriter() as writer:
-            _, out["full_switch_interval_0.1ms"] = tiered_prefill(model, ids, chunk, writer, overlap=True)
-    finally:
-        sys.setswitchinterval(interval)
+            _, out[f"full_{workers}_workers"] = tiered_prefill(model, ids, chunk, writer, overlap=True,
+                                                               handoff_s=None)
+    with ArchiveWriter() as writer:
+        _, out["full_switch_interval_0.1ms"] = tiered_prefill(model, ids, chunk, writer, overlap=True, handoff_s=1e-4)
     return out
 
 
