@@ -56,15 +56,7 @@ def batch_streams(fusion: Fusion, embed: torch.nn.Embedding, pages: list[PageTen
     text = [b for b, p in enumerate(pages) if not p.caption]
     out: dict[int, PageTargets] = {}
     if text:
-        t = max(pages[b].ids.shape[0] for b in text)
-        ids = torch.zeros((len(text), t), dtype=torch.long, device=device)
-        boxes = torch.full((len(text), t, 4), -1.0, device=device)
-        hidden = torch.zeros((len(text), t), dtype=torch.bool, device=device)
-        for i, b in enumerate(text):
-            n = pages[b].ids.shape[0]
-            ids[i, :n], boxes[i, :n], hidden[i, :n] = pages[b].ids, pages[b].boxes, masks[b]
-        x = embed(ids)
-        x = torch.where(hidden.unsqueeze(-1), fusion.mask_embedding.to(x.dtype), x)
+        ids, boxes, hidden, x = text_batch(fusion, embed, [pages[b] for b in text], [masks[b] for b in text], device)
         fused = fusion.fuse_text(x, boxes, patches[text], patch_boxes)
         for i, b in enumerate(text):
             n = pages[b].ids.shape[0]
@@ -76,6 +68,45 @@ def batch_streams(fusion: Fusion, embed: torch.nn.Embedding, pages: list[PageTen
         if page.caption:
             out[b] = caption_stream(fusion, embed, page, patches[b], patch_boxes, inks[b])
     return [out[b] for b in range(len(pages))]
+
+
+def text_batch(fusion: Fusion, embed: torch.nn.Embedding, pages: list[PageTensors], masks: list[torch.Tensor],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``ids`` [B, T], ``boxes`` [B, T, 4] (NO_BOX as padding), ``hidden`` [B, T] and the embeddings
+    [B, T, H] with hidden tokens replaced by the mask vector, for B text pages."""
+    t = max(p.ids.shape[0] for p in pages)
+    ids = torch.zeros((len(pages), t), dtype=torch.long, device=device)
+    boxes = torch.full((len(pages), t, 4), -1.0, device=device)
+    hidden = torch.zeros((len(pages), t), dtype=torch.bool, device=device)
+    for i, (page, mask) in enumerate(zip(pages, masks)):
+        n = page.ids.shape[0]
+        ids[i, :n], boxes[i, :n], hidden[i, :n] = page.ids, page.boxes, mask
+    x = embed(ids)
+    return ids, boxes, hidden, torch.where(hidden.unsqueeze(-1), fusion.mask_embedding.to(x.dtype), x)
+
+
+def reading_logits(fusion: Fusion, embed: torch.nn.Embedding, pages: list[PageTensors], feats: torch.Tensor,
+                   patch_boxes: torch.Tensor, masks: list[torch.Tensor], max_rows: int | None = None,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-attention's own guess at each next token, without the decoder: (logits [N, vocab], targets [N]).
+
+    Every row whose token and next token both have a box reads the image at the next token's box; its ungated
+    read scored against the (tied) embedding table says which token it saw. This is the reading phase's whole
+    loss (fusion.train): it teaches the ViT and the cross-attention to read before any gate opens, at a fraction
+    of a decoder step's cost. Caption pages are left out; ``max_rows`` keeps a random subset of the rows. Needs
+    ``fusion`` in training mode (the read is kept only then).
+    """
+    keep = [i for i, p in enumerate(pages) if not p.caption]
+    device = feats.device
+    ids, boxes, _, x = text_batch(fusion, embed, [pages[i] for i in keep], [masks[i] for i in keep], device)
+    fusion.fuse_text(x, boxes, fusion.project(feats[keep]), patch_boxes)
+    read = fusion.cross.read[:, :-1]                                    # [B, T-1, H]: row r reads token r + 1
+    valid = (boxes[:, :-1, 2] >= 0) & (boxes[:, 1:, 2] >= 0)
+    rows, targets = read[valid], ids[:, 1:][valid]
+    if max_rows is not None and rows.shape[0] > max_rows:
+        pick = torch.randperm(rows.shape[0], generator=generator)[:max_rows].to(device)
+        rows, targets = rows[pick], targets[pick]
+    return rows.float() @ embed.weight.float().T, targets
 
 
 def caption_stream(fusion: Fusion, embed: torch.nn.Embedding, page: PageTensors, patches: torch.Tensor,

@@ -60,11 +60,11 @@ def prepared(samples: Sequence[PageSample], tokenizer: Any) -> list[Prepared]:
     return [p for s in samples if (p := prepare(s, tokenizer, MAX_TOKENS)) is not None]
 
 
-def synthetic(n_docs: int, seed: int, out_dir: Path) -> tuple[list[Path], dict[str, list]]:
+def synthetic(n_docs: int, seed: int, out_dir: Path, workers: int = 1) -> tuple[list[Path], dict[str, list]]:
     """The project's own training PDFs (fusion.synth) and, per file, the known text of its scanned pages."""
     from fusion.synth import make_corpus
 
-    made = make_corpus(out_dir, n_docs, seed=seed)
+    made = make_corpus(out_dir, n_docs, seed=seed, workers=workers)
     return [Path(m["path"]) for m in made], {m["path"]: [pg["text"] for pg in m["pages"]] for m in made}
 
 
@@ -77,7 +77,7 @@ def train_from_pdfs(decoder: Any, tokenizer: Any, *, corpus: Sequence[str | Path
     truths: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if synthetic_docs:
-            paths, truths = synthetic(synthetic_docs, config.seed, Path(tmp))
+            paths, truths = synthetic(synthetic_docs, config.seed, Path(tmp), workers)
             train_paths += paths
         held_out = {p.resolve() for p in pdf_files(eval_corpus)}
         train_paths = [p for p in train_paths if p.resolve() not in held_out]
@@ -151,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=None, help="training time budget (overrides --steps)")
     ap.add_argument("--mlp-hidden", type=int, default=1024, help="width of the gated MLP branch; 0 = none")
+    ap.add_argument("--read-share", type=float, default=0.0,
+                    help="share of the budget for the reading phase first (no decoder, no gate); 0 = none")
+    ap.add_argument("--read-batch", type=int, default=32, help="pages per reading-phase step")
     args = ap.parse_args(argv)
     if args.verb == "pack":
         print(pack(args.src, args.out))
@@ -158,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     decoder, tokenizer = load_decoder(args.model, device)
     config = TrainConfig(steps=args.steps, batch_pages=args.batch, seed=args.seed, mlp_hidden=args.mlp_hidden,
+                         read_share=args.read_share, read_batch_pages=args.read_batch,
                          time_budget_s=args.minutes * 60 if args.minutes else None)
     summary = train_from_pdfs(decoder, tokenizer, corpus=args.corpus, eval_corpus=args.eval_corpus, out=args.out,
                               config=config, synthetic_docs=args.synthetic, workers=args.workers,

@@ -423,9 +423,23 @@ def make_pdf(path: str | Path, seed: int, pages: int = 4) -> dict:
     return {"path": str(path), "pages": meta}
 
 
-def make_corpus(out_dir: str | Path, n_docs: int, seed: int = 0, pages: int = 4) -> list[dict]:
-    """n_docs PDFs named synth-{seed}-{i:04d}.pdf in out_dir; returns make_pdf's results in order."""
+def _make_one(job: tuple[str, int, int]) -> dict:
+    return make_pdf(*job)
+
+
+def make_corpus(out_dir: str | Path, n_docs: int, seed: int = 0, pages: int = 4, workers: int = 1) -> list[dict]:
+    """n_docs PDFs named synth-{seed}-{i:04d}.pdf in out_dir; returns make_pdf's results in order.
+
+    ``workers`` > 1 writes them in that many processes: the same bytes, since every document's seed is drawn first.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seeds = random.Random(seed)  # one stream of document seeds: document i is the same whatever n_docs is
-    return [make_pdf(out / f"synth-{seed}-{i:04d}.pdf", seeds.getrandbits(48), pages) for i in range(n_docs)]
+    jobs = [(str(out / f"synth-{seed}-{i:04d}.pdf"), seeds.getrandbits(48), pages) for i in range(n_docs)]
+    if workers <= 1 or n_docs < 2:
+        return [_make_one(job) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_make_one, jobs, chunksize=8))

@@ -21,7 +21,7 @@ from fusion.checkpoint import VisionSpec, untrained
 from fusion.evaluate import masked_recovery
 from fusion.features import encode
 from fusion.model import Fusion
-from fusion.objective import PageTargets, batch_streams, choose_mask, pad_streams
+from fusion.objective import PageTargets, batch_streams, choose_mask, pad_streams, reading_logits
 from fusion.prepare import Prepared, patch_grid_boxes
 
 #: The default vision encoder: a small ViT that reads a 96-dpi page at 1024x768 (16-px patches, 64x48 grid).
@@ -41,6 +41,11 @@ class TrainConfig:
     caption_weight: float = 0.5
     aux_weight: float = 0.5       # the auxiliary read loss (see objective_loss)
     mlp_hidden: int = 1024        # the gated MLP branch's width; 0 = none
+    #: share of the budget spent in the reading phase first: the ViT and cross-attention learn to name the next
+    #: token from the image alone (objective.reading_logits), no decoder, no gate; 0 = straight to the full loss
+    read_share: float = 0.0
+    read_batch_pages: int = 32
+    read_rows: int = 8192         # rows scored per reading step (a random subset of the batch's)
     seed: int = 0
     #: stop after this many seconds of training (the schedule follows time, not steps); None: ``steps`` decide
     time_budget_s: float | None = None
@@ -50,6 +55,8 @@ def train(decoder: Any, pages: Sequence[Prepared], config: TrainConfig, vision: 
           log: Callable[[str], None] = print, eval_pages: Sequence[Prepared] = (),
           eval_every: int = 0) -> tuple[Any, Fusion, list[dict]]:
     """The trained ViT and fusion (on the decoder's device) and the log of losses and evaluations."""
+    if not 0.0 <= config.read_share <= 1.0:
+        raise ValueError(f"read_share {config.read_share}: give a share of the budget in [0, 1]")
     device = next(decoder.parameters()).device
     for p in decoder.parameters():
         p.requires_grad_(False)
@@ -69,42 +76,87 @@ def train(decoder: Any, pages: Sequence[Prepared], config: TrainConfig, vision: 
     gen = torch.Generator().manual_seed(config.seed)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
     history, started = [], time.perf_counter()
-    step = 0
+    step, phase_start = 0, 1
+    reading = config.read_share > 0
     while True:
         step += 1
         done = (time.perf_counter() - started) / config.time_budget_s if config.time_budget_s else (step - 1) / config.steps
         if done >= 1.0:
             break
-        scale = min(1.0, step / max(1, config.warmup)) * 0.5 * (1 + math.cos(math.pi * done))
+        if reading and done >= config.read_share:
+            reading, phase_start = False, step
+            if eval_pages:
+                with autocast:
+                    history.append({"step": step, "reading_eval": reading_accuracy(vit, fusion, embed, eval_pages)})
+                log(str(history[-1]))
+        # each phase has its own warm-up and cosine decay over its share of the budget
+        local = done / config.read_share if reading else \
+            (done - config.read_share) / (1.0 - config.read_share) if config.read_share > 0 else done
+        scale = min(1.0, (step - phase_start + 1) / max(1, config.warmup)) * 0.5 * (1 + math.cos(math.pi * local))
         for g, lr in zip(opt.param_groups, base):
             g["lr"] = lr * scale
-        batch = rng.sample(list(pages), min(config.batch_pages, len(pages)))
+        batch = rng.sample(list(pages), min(config.read_batch_pages if reading else config.batch_pages, len(pages)))
         with autocast:
             feats = encode(vit, torch.stack([p.pixels for p in batch]))
             masks = [choose_mask(p.tokens.boxes, config.mask_rate, gen) for p in batch]
-            inks = torch.stack([p.ink for p in batch]).to(device)
-            pages_out = batch_streams(fusion, embed, [p.tokens for p in batch], feats, patch_boxes, inks, masks)
-            x, attn = pad_streams([p.stream.embeds for p in pages_out])
-            logits = decoder(inputs_embeds=x.to(embed.weight.dtype), attention_mask=attn).logits
-            loss, hits, n_hidden = objective_loss(logits, pages_out, [p.tokens.caption for p in batch], embed, config)
+            if reading:
+                if all(p.tokens.caption for p in batch):
+                    continue
+                logits, targets = reading_logits(fusion, embed, [p.tokens for p in batch], feats, patch_boxes,
+                                                 masks, config.read_rows, gen)
+                loss = F.cross_entropy(logits, targets)
+                hits, n_hidden = int((logits.argmax(-1) == targets).sum()), int(targets.numel())
+            else:
+                inks = torch.stack([p.ink for p in batch]).to(device)
+                pages_out = batch_streams(fusion, embed, [p.tokens for p in batch], feats, patch_boxes, inks, masks)
+                x, attn = pad_streams([p.stream.embeds for p in pages_out])
+                logits = decoder(inputs_embeds=x.to(embed.weight.dtype), attention_mask=attn).logits
+                loss, hits, n_hidden = objective_loss(logits, pages_out, [p.tokens.caption for p in batch], embed,
+                                                      config)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(vit.parameters()) + list(fusion.parameters()), 1.0)
         opt.step()
         if step % 25 == 0 or step == 1:
-            entry = {"step": step, "loss": round(float(loss.detach()), 4), "hidden_top1": round(hits / max(n_hidden, 1), 4),
+            # reading phase: top-1 of the read itself over scored rows; then the decoder's over hidden tokens
+            entry = {"step": step, "phase": "reading" if reading else "full", "loss": round(float(loss.detach()), 4),
+                     "reading_top1" if reading else "hidden_top1": round(hits / max(n_hidden, 1), 4),
                      "gates": fusion.gates(), "elapsed_s": round(time.perf_counter() - started, 1)}
             history.append(entry)
             log(str(entry))
-        if eval_every and eval_pages and step % eval_every == 0:
+        if eval_every and eval_pages and step % eval_every == 0 and not reading:
             vit.eval(), fusion.eval()
             with autocast:
                 report = masked_recovery(decoder, vit, fusion, eval_pages, mask_rate=config.mask_rate)
             vit.train(), fusion.train()
             history.append({"step": step, "eval": report})
             log(f"eval @ {step}: {report}")
+    if eval_pages:
+        with autocast:
+            history.append({"step": step, "reading_eval": reading_accuracy(vit, fusion, embed, eval_pages)})
+        log(str(history[-1]))
     fusion.cross.read = None  # the last step's activation, graph and all
     return vit.eval(), fusion.eval(), history
+
+
+@torch.no_grad()
+def reading_accuracy(vit: Any, fusion: Fusion, embed: torch.nn.Embedding, pages: Sequence[Prepared],
+                     mask_rate: float = 0.15, seed: int = 1234) -> dict:
+    """Top-1 of the ungated read alone over ``pages``' rows (objective.reading_logits): can the ViT read yet?"""
+    device = embed.weight.device
+    rows, cols = vit.patch_embed.grid_size
+    patch_boxes = patch_grid_boxes(rows, cols).to(device)
+    modes = vit.training, fusion.training
+    vit.eval(), fusion.train()  # the fusion keeps its read only in training mode; it has no dropout
+    hits = n = 0
+    for i, page in enumerate(p for p in pages if not p.tokens.caption):
+        mask = choose_mask(page.tokens.boxes, mask_rate, torch.Generator().manual_seed(seed + i))
+        logits, targets = reading_logits(fusion, embed, [page.tokens], encode(vit, page.pixels.unsqueeze(0)),
+                                         patch_boxes, [mask])
+        hits, n = hits + int((logits.argmax(-1) == targets).sum()), n + int(targets.numel())
+    fusion.cross.read = None
+    vit.train(modes[0]), fusion.train(modes[1])
+    return {"reading_top1": hits / max(n, 1), "rows": n}
 
 
 def objective_loss(logits: torch.Tensor, pages: list[PageTargets], captions: list[bool], embed: torch.nn.Embedding,

@@ -257,6 +257,8 @@ def train_fusion(
     batch: Annotated[int, typer.Option(help="Pages per step.")] = 16,
     workers: Annotated[int, typer.Option(help="Processes that read and render PDFs.")] = 1,
     mlp_hidden: Annotated[int, typer.Option(help="Width of the gated MLP branch; 0 = none.")] = 1024,
+    read_share: Annotated[float, typer.Option(help="Share of the budget for the reading phase first: the ViT "
+                                              "learns to name the next token from the image alone.")] = 0.0,
 ) -> None:
     """Train a fusion checkpoint (ViT + gated cross-attention) against the frozen decoder; GPU when present."""
     if out.suffix != ".safetensors":
@@ -271,7 +273,9 @@ def train_fusion(
 
     lm, tokenizer = load_model(model, dtype="float32" if not _cuda() else "bfloat16")
     config = TrainConfig(steps=steps, batch_pages=batch, time_budget_s=minutes * 60 if minutes else None,
-                         mlp_hidden=mlp_hidden)
+                         mlp_hidden=mlp_hidden, read_share=read_share)
+    if not 0.0 <= read_share < 1.0:
+        _fail(f"--read-share {read_share}: give a share in [0, 1); the rest of the budget trains the full objective")
     try:
         summary = train_from_pdfs(lm, tokenizer, corpus=train_set, eval_corpus=held_out, out=out, config=config,
                                   synthetic_docs=synthetic, workers=workers,

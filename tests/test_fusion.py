@@ -516,6 +516,50 @@ def test_train_runs_the_configured_number_of_steps(decoder, synthetic_pages) -> 
     assert any(g != 0.0 for g in fusion.gates().values())
 
 
+def test_reading_logits_score_each_boxed_row_against_its_next_token(decoder, synthetic_pages) -> None:
+    from fusion.objective import reading_logits
+
+    model, _ = decoder
+    embed = model.get_input_embeddings()
+    vit, fusion = untrained(SPEC, hidden=HIDDEN)
+    fusion.train()
+    page = next(p for p in synthetic_pages if not p.tokens.caption)
+    ids, boxes = page.tokens.ids, page.tokens.boxes
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    with torch.no_grad():
+        feats = torch.randn(1, ROWS * COLS, 64)
+        logits, targets = reading_logits(fusion, embed, [page.tokens], feats, patch_grid_boxes(ROWS, COLS), [mask])
+    both = (boxes[:-1, 2] >= 0) & (boxes[1:, 2] >= 0)
+    assert logits.shape == (int(both.sum()), embed.weight.shape[0])
+    assert torch.equal(targets, ids[1:][both])
+    sub, sub_targets = reading_logits(fusion, embed, [page.tokens], feats, patch_grid_boxes(ROWS, COLS), [mask],
+                                      max_rows=3, generator=torch.Generator().manual_seed(0))
+    assert sub.shape[0] == 3 and set(sub_targets.tolist()) <= set(targets.tolist())
+
+
+def test_reading_phase_trains_the_reader_and_leaves_the_gates_shut(decoder, synthetic_pages) -> None:
+    from fusion.train import TrainConfig, train
+
+    model, _ = decoder
+    vit0, _ = untrained(SPEC, hidden=HIDDEN)
+    config = TrainConfig(steps=2, batch_pages=2, read_batch_pages=2, warmup=1, read_share=1.0)
+    vit, fusion, history = train(model, synthetic_pages, config, vision=SPEC, log=lambda _: None,
+                                 eval_pages=synthetic_pages[:2])
+    assert [h["phase"] for h in history if "loss" in h] == ["reading"]
+    assert fusion.gates() == {"attention": 0.0, "mlp": 0.0, "visual_tokens": 0.0}
+    assert not torch.equal(vit.patch_embed.proj.weight, vit0.patch_embed.proj.weight), "the ViT learned"
+    final = history[-1]["reading_eval"]
+    assert final["rows"] > 0 and 0.0 <= final["reading_top1"] <= 1.0
+
+    config = TrainConfig(steps=4, batch_pages=2, read_batch_pages=2, warmup=1, read_share=0.5)
+    _, fusion, history = train(model, synthetic_pages, config, vision=SPEC, log=lambda _: None,
+                               eval_pages=synthetic_pages[:2])
+    assert sum("reading_eval" in h for h in history) == 2  # at the switch and at the end
+    assert any(g != 0.0 for g in fusion.gates().values()), "the full phase opens the gates"
+    with pytest.raises(ValueError, match="read_share"):
+        train(model, synthetic_pages, TrainConfig(steps=1, read_share=1.5), vision=SPEC, log=lambda _: None)
+
+
 def test_a_fusion_without_the_mlp_branch_trains_saves_and_loads(tmp_path) -> None:
     vit, fusion = checkpoint.untrained(SPEC, HIDDEN, mlp_hidden=0)
     assert fusion.cross.mlp is None

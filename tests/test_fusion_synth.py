@@ -45,6 +45,13 @@ def test_corpus_names_its_files_and_keeps_order(tmp_path: Path) -> None:
     assert [Path(r["path"]).read_bytes() for r in longer[:3]] == [Path(r["path"]).read_bytes() for r in results]
 
 
+def test_corpus_in_processes_writes_the_same_bytes(tmp_path: Path) -> None:
+    serial = make_corpus(tmp_path / "one", 3, seed=9, pages=2)
+    parallel = make_corpus(tmp_path / "two", 3, seed=9, pages=2, workers=2)
+    assert [r["pages"] for r in parallel] == [r["pages"] for r in serial]
+    assert [Path(r["path"]).read_bytes() for r in parallel] == [Path(r["path"]).read_bytes() for r in serial]
+
+
 def test_text_pages_have_words_inside_the_page(corpus: list[dict]) -> None:
     checked = 0
     for page, meta in _pages(corpus):
