@@ -267,6 +267,8 @@ def train_fusion(
     held_out = _pdfs_or_fail(eval_corpus, "--eval") if eval_corpus else []
     if not train_set and synthetic <= 0:
         _fail("nothing to train on: give --corpus PDFs or --synthetic N")
+    if not 0.0 <= read_share < 1.0:
+        _fail(f"--read-share {read_share}: give a share in [0, 1); the rest of the budget trains the full objective")
     from fusion.run import train_from_pdfs
     from fusion.train import TrainConfig
     from runtime.loading import load_model
@@ -274,8 +276,6 @@ def train_fusion(
     lm, tokenizer = load_model(model, dtype="float32" if not _cuda() else "bfloat16")
     config = TrainConfig(steps=steps, batch_pages=batch, time_budget_s=minutes * 60 if minutes else None,
                          mlp_hidden=mlp_hidden, read_share=read_share)
-    if not 0.0 <= read_share < 1.0:
-        _fail(f"--read-share {read_share}: give a share in [0, 1); the rest of the budget trains the full objective")
     try:
         summary = train_from_pdfs(lm, tokenizer, corpus=train_set, eval_corpus=held_out, out=out, config=config,
                                   synthetic_docs=synthetic, workers=workers,

@@ -169,6 +169,7 @@ def test_eval_fusion_prints_the_json_the_issue_names(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["train-fusion", "--out", "x.safetensors", "--synthetic", "0"], "nothing to train on"),
     (["train-fusion", "--out", "x.pt"], "written as safetensors"),
+    (["train-fusion", "--out", "x.safetensors", "--read-share", "1.5"], "--read-share 1.5: give a share in"),
     (["train-fusion", "--out", "x.safetensors", "--corpus", "no/such/dir"], "no PDF found"),
     (["eval-fusion", "no/such.pdf"], "no PDF found"),
     (["eval-fusion", "data/sample.pdf", "--checkpoint", "none.safetensors"], "not found; make one"),
