@@ -36,7 +36,7 @@ from stages.fuse import DEFAULT_CHECKPOINT, FusionGate  # noqa: E402
 from stages.pdf import PdfOpen, PdfRender, PdfText  # noqa: E402
 from stages.vision import VisionPatches  # noqa: E402
 
-CKPT = str(Path(__file__).resolve().parents[1] / DEFAULT_CHECKPOINT)
+CKPT = os.environ.get("DOCFUSE_FUSION_CKPT") or str(Path(__file__).resolve().parents[1] / DEFAULT_CHECKPOINT)
 
 
 def sources(paths: list[Path]) -> pa.Table:

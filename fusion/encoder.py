@@ -23,7 +23,9 @@ def build_vit(model: str, image_size: tuple[int, int], model_args: Mapping[str, 
               device: str | None = None) -> Any:
     """A timm ViT with random weights and no classifier, sized for ``image_size`` (H, W); never downloads.
 
-    ``model_args`` override the architecture (``depth``, ``embed_dim``, ``num_heads``, ``patch_size``).
+    ``model_args`` override the architecture (``depth``, ``embed_dim``, ``num_heads``, ``patch_size``; for
+    ``samvit_*``, ``window_size`` and ``global_attn_indexes``: attention within windows of patches, which on a page's
+    3072 patches costs a fraction of global attention). Lists in ``model_args`` (JSON has no tuples) become tuples.
     """
     import timm
     import torch
@@ -34,14 +36,36 @@ def build_vit(model: str, image_size: tuple[int, int], model_args: Mapping[str, 
     try:
         with torch.device(device or "cpu"):
             net = timm.create_model(model, pretrained=False, num_classes=0, img_size=tuple(image_size),
-                                    **dict(model_args or {}))
+                                    **plain_args(model_args))
     except TypeError as exc:
         raise ValueError(f"timm model {model!r} does not take image_size or model_args {dict(model_args or {})} "
                          f"({exc}); pick a plain ViT from `timm.list_models('vit_*')`") from exc
-    if not hasattr(net, "patch_embed") or not hasattr(net, "num_prefix_tokens") or not hasattr(net, "forward_features"):
+    if not hasattr(net, "patch_embed") or not hasattr(net, "forward_features") \
+            or not (hasattr(net, "num_prefix_tokens") or model.startswith("samvit")):
         raise ValueError(f"timm model {model!r} is not a ViT (no patch embedding / prefix tokens); "
-                         "pick one from `timm.list_models('vit_*')`")
+                         "pick one from `timm.list_models('vit_*')` or `timm.list_models('samvit_*')`")
     return net
+
+
+def plain_args(model_args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``model_args`` as timm takes them: JSON lists (``global_attn_indexes``) as tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in (model_args or {}).items()}
+
+
+def prefix_tokens(net: Any) -> int:
+    """Class/register tokens before the patch tokens in ``forward_features`` (none for a feature-map model)."""
+    return int(getattr(net, "num_prefix_tokens", 0))
+
+
+def patch_tokens(net: Any, x: Any) -> Any:
+    """``[B, P, D]`` patch features of a batch of normalised images, row-major like ``patch_grid``.
+
+    A plain ViT returns tokens (prefix tokens dropped here); a windowed SAM ViT returns a ``[B, D, rows, cols]``
+    feature map, flattened to the same layout."""
+    out = net.forward_features(x)
+    if out.ndim == 4:
+        return out.flatten(2).transpose(1, 2)
+    return out[:, prefix_tokens(net):]
 
 
 def to_input(rgb: Image.Image, size: tuple[int, int], mean: tuple[float, ...] = IMAGENET_MEAN,

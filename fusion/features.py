@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fusion.encoder import IMAGENET_MEAN, IMAGENET_STD
+from fusion.encoder import IMAGENET_MEAN, IMAGENET_STD, patch_tokens
 
 
 def encode(vit: Any, pixels: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -16,4 +16,4 @@ def encode(vit: Any, pixels: torch.Tensor, dtype: torch.dtype | None = None) -> 
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
     x = ((x - mean) / std).to(dtype or next(vit.parameters()).dtype)
-    return vit.forward_features(x)[:, vit.num_prefix_tokens:].float()
+    return patch_tokens(vit, x).float()

@@ -25,7 +25,13 @@ from fusion.objective import PageTargets, batch_streams, choose_mask, pad_stream
 from fusion.prepare import Prepared, patch_grid_boxes
 
 #: The default vision encoder: a small ViT that reads a 96-dpi page at 1024x768 (16-px patches, 64x48 grid).
-DEFAULT_VISION = VisionSpec("vit_tiny_patch16_224", {"depth": 3, "embed_dim": 128, "num_heads": 2}, (1024, 768), 96.0)
+#: A 3-layer ViT at 1024x768 (3072 patches of 16 px, a page at about 96 dpi). Attention stays within windows of
+#: 16x16 patches (256x256 px, a paragraph): global attention over 3072 patches was most of a CPU page's time.
+DEFAULT_VISION = VisionSpec("samvit_base_patch16", {"depth": 3, "embed_dim": 128, "num_heads": 2, "window_size": 16,
+                                                    "global_attn_indexes": [], "use_rel_pos": False,
+                                                    "neck_chans": 0}, (1024, 768), 96.0)
+#: The vision of the first checkpoints (global attention).
+GLOBAL_VISION = VisionSpec("vit_tiny_patch16_224", {"depth": 3, "embed_dim": 128, "num_heads": 2}, (1024, 768), 96.0)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, field_validator
 
-from fusion.encoder import patch_ink
+from fusion.encoder import patch_ink, patch_tokens
 from pipelines.registry import register
 from pipelines.stage import Stage, StageParams, error_value
 from stages import schemas
@@ -43,9 +43,12 @@ def patches_schema(n_patches: int, dim: int) -> pa.Schema:
 
 
 class VisionPatchesParams(StageParams):
-    model: str = Field("vit_tiny_patch16_224", description="any timm ViT name; built without downloading")
-    model_args: dict[str, int] = Field(default_factory=dict, description="architecture overrides for timm "
-                                       "(depth, embed_dim, num_heads, patch_size), as the checkpoint was made")
+    model: str = Field("vit_tiny_patch16_224", description="any timm ViT name (vit_*, or samvit_* for windowed "
+                                                            "attention); built without downloading")
+    model_args: dict[str, int | bool | list[int]] = Field(
+        default_factory=dict, description="architecture overrides for timm (depth, embed_dim, num_heads, "
+                                          "patch_size; samvit: window_size, global_attn_indexes, use_rel_pos, "
+                                          "neck_chans), as the checkpoint was made")
     checkpoint: str = Field(description="local weights for `model` (safetensors or torch state dict), or a "
                                         "fusion checkpoint (its ViT is used); see data/vision/README.md")
     image_size: list[int] = Field(default_factory=lambda: [224, 224], min_length=2, max_length=2,
@@ -184,7 +187,7 @@ class VisionPatches(Stage):
 
         with torch.inference_mode():
             x = torch.from_numpy(batch).to(self._device, self._dtype)
-            tokens = self._net.forward_features(x)[:, self._geo.prefix_tokens:]
+            tokens = patch_tokens(self._net, x)
             if tuple(tokens.shape[1:]) != (self._geo.n_patches, self._geo.dim):
                 raise RuntimeError(f"{self.params.model} returned tokens of shape {tuple(tokens.shape)}; "
                                    f"expected [B, {self._geo.n_patches}, {self._geo.dim}] after "

@@ -53,7 +53,9 @@ def create(model: str, image_size: tuple[int, int], device: str | None = None, a
 
 def as_args(model_args: dict[str, Any] | None) -> Args:
     """Hashable, order-free form of ``model_args`` (the cache key of ``geometry``)."""
-    return tuple(sorted((model_args or {}).items()))
+    from fusion.encoder import plain_args
+
+    return tuple(sorted(plain_args(model_args).items()))
 
 
 @functools.lru_cache(maxsize=32)
@@ -70,8 +72,10 @@ def geometry(model: str, image_size: tuple[int, int], args: Args = ()) -> Geomet
     if (rows, cols) != (height // patch[0], width // patch[1]):
         raise ValueError(f"timm built {model} with a {rows}x{cols} patch grid for image_size {list(image_size)}; "
                          "pick a plain ViT (no patch-grid pooling)")
+    from fusion.encoder import prefix_tokens
+
     return Geometry(patch_size=patch, rows=rows, cols=cols, dim=int(net.num_features),
-                    prefix_tokens=int(net.num_prefix_tokens))
+                    prefix_tokens=prefix_tokens(net))
 
 
 @functools.lru_cache(maxsize=32)
@@ -162,7 +166,9 @@ def load_weights(net: Any, path: Path, model: str, image_size: tuple[int, int]) 
 
 def _square_size_hint(tokens: int, net: Any) -> str:
     """The square image size a position embedding of ``tokens`` entries was made for, when it is square."""
-    patches = tokens - (0 if getattr(net, "no_embed_class", False) else int(net.num_prefix_tokens))
+    from fusion.encoder import prefix_tokens
+
+    patches = tokens - (0 if getattr(net, "no_embed_class", False) else prefix_tokens(net))
     side = math.isqrt(max(patches, 0))
     patch = net.patch_embed.patch_size
     patch = patch if isinstance(patch, int) else patch[0]
