@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fusion.encoder import build_vit, plain_args
+from fusion.encoder import args_key, build_vit
 from fusion.model import Fusion, FusionConfig
 
 
@@ -33,7 +33,7 @@ class VisionSpec:
     @property
     def grid(self) -> tuple[int, int]:
         """The ViT's patch grid (rows, cols) at this input size, from a weightless copy."""
-        return _grid(self.model, tuple(self.image_size), tuple(sorted(plain_args(self.args).items())))
+        return _grid(self.model, tuple(self.image_size), args_key(self.args))
 
 
 @functools.lru_cache(maxsize=8)

@@ -52,6 +52,11 @@ def plain_args(model_args: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in (model_args or {}).items()}
 
 
+def args_key(model_args: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """Hashable, order-free form of ``model_args`` (a cache key for the weightless copies that give a grid)."""
+    return tuple(sorted(plain_args(model_args).items()))
+
+
 def prefix_tokens(net: Any) -> int:
     """Class/register tokens before the patch tokens in ``forward_features`` (none for a feature-map model)."""
     return int(getattr(net, "num_prefix_tokens", 0))

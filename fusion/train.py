@@ -30,8 +30,6 @@ from fusion.prepare import Prepared, patch_grid_boxes
 DEFAULT_VISION = VisionSpec("samvit_base_patch16", {"depth": 3, "embed_dim": 128, "num_heads": 2, "window_size": 16,
                                                     "global_attn_indexes": [], "use_rel_pos": False,
                                                     "neck_chans": 0}, (1024, 768), 96.0)
-#: The vision of the first checkpoints (global attention).
-GLOBAL_VISION = VisionSpec("vit_tiny_patch16_224", {"depth": 3, "embed_dim": 128, "num_heads": 2}, (1024, 768), 96.0)
 
 
 @dataclass

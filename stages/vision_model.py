@@ -53,9 +53,9 @@ def create(model: str, image_size: tuple[int, int], device: str | None = None, a
 
 def as_args(model_args: dict[str, Any] | None) -> Args:
     """Hashable, order-free form of ``model_args`` (the cache key of ``geometry``)."""
-    from fusion.encoder import plain_args
+    from fusion.encoder import args_key
 
-    return tuple(sorted(plain_args(model_args).items()))
+    return args_key(model_args)
 
 
 @functools.lru_cache(maxsize=32)

@@ -624,3 +624,31 @@ def test_vectorised_token_boxes_equal_the_per_word_and_per_token_forms_bit_for_b
         assert np.array_equal(span_boxes(chars, offsets), _span_boxes_per_token(chars, offsets))
     assert span_boxes(np.zeros((0, 4), np.float32), [(0, 0)]).tolist() == [[-1.0] * 4]
     assert span_boxes(np.zeros((5, 4), np.float32), []).shape == (0, 4)
+
+
+def test_a_windowed_sam_vit_gives_row_major_patch_features_and_a_json_safe_spec(tmp_path) -> None:
+    """The shipped vision (samvit, windowed attention) returns a [B, D, rows, cols] map, not tokens: it must come out
+    as [B, P, D] in patch_grid's row-major order, and its list-valued args must survive the checkpoint's JSON."""
+    import json
+
+    from fusion.encoder import patch_tokens
+    from stages.vision_model import as_args, geometry
+
+    args = {"depth": 1, "embed_dim": 32, "num_heads": 1, "window_size": 4, "global_attn_indexes": [],
+            "use_rel_pos": False, "neck_chans": 0}
+    spec = VisionSpec("samvit_base_patch16", json.loads(json.dumps(args)), (128, 96))
+    assert spec.grid == (ROWS, COLS)
+    geo = geometry(spec.model, spec.image_size, as_args(spec.args))
+    assert (geo.rows, geo.cols, geo.dim, geo.prefix_tokens) == (ROWS, COLS, 32, 0)
+    vit, fusion = untrained(spec, HIDDEN)
+    x = torch.randn(2, 3, 128, 96)
+    with torch.no_grad():
+        feature_map = vit.forward_features(x)                      # [B, D, rows, cols]
+        tokens = patch_tokens(vit, x)
+    assert tokens.shape == (2, ROWS * COLS, 32)
+    assert torch.equal(tokens[1, 2 * COLS + 5], feature_map[1, :, 2, 5])  # patch (row 2, col 5)
+    path = checkpoint.save(tmp_path / "sam.safetensors", vit, fusion, spec, "llama:test")
+    vit2, _, spec2, _ = checkpoint.load(path)
+    assert spec2.model == spec.model and spec2.grid == (ROWS, COLS)
+    with torch.no_grad():
+        assert torch.allclose(patch_tokens(vit2, x), tokens, atol=5e-2)  # fp16 weights
