@@ -59,6 +59,12 @@ EXTRA_CONFIGS: dict[str, Any] = {
                                  "recent_tokens": 16},
     "tiered 10%/25% 4-bit diff": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
                                   "differential": True},
+    "tiered 10%/25% 4-bit re4": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                 "retier_every": 4},
+    "tiered 10%/25% 4-bit re8": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                 "retier_every": 8},
+    "tiered 10%/25% 4-bit re16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                 "retier_every": 16},
     "tiered 10%/25% 4-bit p16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
                                  "page_tokens": 16},
 }
@@ -253,10 +259,12 @@ def summarise(rows: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
 
 
 # ---- speed ---------------------------------------------------------------------------------------------------------
-def speed(model, tokenizer, targets: list[int], threads: list[int], reps: int, limit: int) -> list[dict[str, Any]]:
-    """Prefill seconds and decode tokens/s, DynamicCache vs the target tiered config, alternating, best of ``reps``."""
+def speed(model, tokenizer, targets: list[int], threads: list[int], reps: int, limit: int,
+          extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Prefill seconds and decode tokens/s, DynamicCache vs the target tiered config (and ``extra`` configs),
+    alternating, best of ``reps``."""
     results = []
-    configs = {"full": None, TARGET: CONFIGS[TARGET]}
+    configs = {"full": None, TARGET: CONFIGS[TARGET], **(extra or {})}
     reserve = len(Session(model, tokenizer).prompt.suffix(SPEED_Q)) + SPEED_NEW_TOKENS
     for n_threads in threads:
         torch.set_num_threads(n_threads)
@@ -348,12 +356,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads for the accuracy part (default: what "
                         "runtime.loading.configure_threads picks from the load average; recorded in the result)")
     parser.add_argument("--cases", nargs="+", help="only these case ids (e.g. s8k-03 m8k-00)")
+    parser.add_argument("--speed-configs", nargs="+", default=[], help="tiered configs timed beside the target "
+                        "(with --sizes/--threads the speed plan is those sizes at those threads, best of 2)")
+    parser.add_argument("--model", default="default", help="model name or path, as runtime.loading.load_model")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (accuracy on a GPU; speed is CPU's)")
     args = parser.parse_args()
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     if args.sizes:
         plan = {part: {t: n for t, n in sizes.items() if t in args.sizes} for part, sizes in plan.items()}
     known = {**CONFIGS, **EXTRA_CONFIGS}
-    unknown = set(args.configs or ()) - set(known)
+    unknown = (set(args.configs or ()) | set(args.speed_configs)) - set(known)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; choose from {list(known)}")
     configs = {k: v for k, v in known.items() if (k in args.configs if args.configs else k in CONFIGS)}
@@ -361,7 +373,7 @@ def main() -> None:
     name = "tmp/kv_quick" if args.quick else "tmp/kv_partial" if partial else "kv"
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
 
-    model, tokenizer = load_model("default")
+    model, tokenizer = load_model(args.model, device=args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = Session(model, tokenizer).prompt
@@ -371,7 +383,8 @@ def main() -> None:
         log(f"essays not found at {kv_cases.ESSAYS}: natural-text haystacks skipped, synthetic only")
     meta = {"command": " ".join([".venv/bin/python bench/bench_kv.py", *sys.argv[1:]]), "machine": machine(),
             "started": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "dtype": str(model.dtype), "max_new_tokens": MAX_NEW_TOKENS, "configs": configs, "plan": plan,
+            "dtype": str(model.dtype), "device": str(model.device), "max_new_tokens": MAX_NEW_TOKENS,
+            "configs": configs, "plan": plan,
             "essays": with_essays, "load_at_start": os.getloadavg()}
     result: dict[str, Any] = {"meta": meta, "status": "running", "cases": [], "summary": {}, "speed": []}
     started = time.perf_counter()
@@ -406,13 +419,16 @@ def main() -> None:
 
     if args.only != "accuracy":
         speed_plan = QUICK_SPEED if args.quick else FULL_SPEED
+        if args.sizes or args.threads:
+            speed_plan = [(args.threads or 2, args.sizes or [4096, 8192], 2)]
+        extra = {n: known[n] for n in args.speed_configs}
         log(f"speed: (threads, sizes, runs) {speed_plan}")
         # One untimed warm-up so the first timed run does not pay for lazy initialisation.
         warm = Session(model, tokenizer, kv=CONFIGS[TARGET])
         warm.prefill(prompt.prefix("Warm-up. " * 100).ids)
         warm.ask("Why?", max_new_tokens=4)
         for threads, targets, reps in speed_plan:
-            result["speed"] += speed(model, tokenizer, targets, [threads], reps, limit)
+            result["speed"] += speed(model, tokenizer, targets, [threads], reps, limit, extra)
             save(name, result)
         torch.set_num_threads(meta["threads"])
 

@@ -10,7 +10,7 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT.parent / "shared" / "corpus"
+CORPUS = Path(os.environ.get("DOCFUSE_CORPUS", ROOT.parent / "shared" / "corpus"))
 RESULTS = ROOT / "bench" / "results"
 
 

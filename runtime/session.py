@@ -8,6 +8,7 @@ answers equal those of a fresh prefill per question.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from transformers import DynamicCache
 
 from runtime import metrics
 from runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question
+from runtime.kv.queries import record_queries
 from runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
 from runtime.pruning import Pruner, PruningConfig, find_head
 
@@ -209,8 +211,19 @@ class Session:
         tiered = hasattr(self.cache, "retier")
         if tiered:  # re-tier for this question from its own queries; counted in its time to first token
             prepare_question(self.model, self.cache, torch.tensor([suffix], dtype=torch.long, device=self.device))
+        recording = contextlib.nullcontext()
+        if tiered and getattr(self.cache, "kv", None) is not None and self.cache.kv.retier_every:
+            # Decode-time re-tiers rank tokens by the newest queries (the question's, then the answer's own).
+            recording = record_queries(self.model, self.cache, tokens=self.cache.kv.query_tokens)
+        with recording:
+            return self._decode(question, suffix, max_new_tokens, prune, tiered, started)
+
+    def _decode(self, question: str, suffix: list[int], max_new_tokens: int, prune: bool, tiered: bool,
+                started: float) -> Answer:
         token = int(self._forward(suffix).argmax())
         ttft = time.perf_counter() - started  # argmax().item() waited for the device
+        if tiered and hasattr(self.cache, "start_decode"):
+            self.cache.start_decode()
         if self._charge_prefill:
             ttft += self.document_prefill_s
             self._charge_prefill = False

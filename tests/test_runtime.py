@@ -305,6 +305,29 @@ def test_tiered_session_with_budgets_covering_the_document_answers_like_the_plai
     assert answers[0] == answers[1] == answers[2] and "58213" in answers[0]
 
 
+@pytest.mark.slow
+def test_tiered_session_re_tiers_during_decode_from_the_answers_queries(model_and_tokenizer, monkeypatch):
+    from runtime.kv import TieredCache
+    from runtime.session import Session
+
+    model, tokenizer = model_and_tokenizer
+    ranked_by: list = []
+    original = TieredCache.retier_layer
+    monkeypatch.setattr(TieredCache, "retier_layer", lambda self, i, q: (ranked_by.append(q), original(self, i, q))[1])
+    doc = "Notes. " * 300 + "The pass key is 58213. Remember it. " + "More notes. " * 300
+    kv = {"core_tokens": 0.1, "association_tokens": 0.25, "retier_every": 4}
+    session = Session(model, tokenizer, kv=kv)
+    session.prefill(session.fit_document(doc, questions=["What is the pass key?"], max_new_tokens=16))
+    first = session.ask("What is the pass key?", max_new_tokens=16)
+    retiers = session.cache.retiers
+    second = session.ask("What is the pass key?", max_new_tokens=16)
+    assert "58213" in first.text and second.text == first.text  # nothing of the first answer leaks
+    steps = first.new_tokens - 1  # decode steps after the first token (a stop token also ends one)
+    assert retiers == 1 + (steps + (first.finish_reason == "eos")) // 4  # the question's, then one per 4 steps
+    assert session.cache.get_seq_length() == session.prefix_length
+    assert all(q is not None for q in ranked_by)  # real queries, never the newest keys standing in
+
+
 def test_thread_count_follows_env_and_leaves_busy_cores_alone(monkeypatch):
     import torch
 

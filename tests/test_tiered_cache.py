@@ -353,6 +353,35 @@ def test_generate_runs_with_the_cache() -> None:
     assert out.shape == (1, 164) and beams.retiers >= 1
 
 
+def test_decode_retier_counts_decode_steps_and_ranks_by_the_answers_own_queries(monkeypatch) -> None:
+    """What Session does with ``retier_every``: queries recorded through the decode drive each re-tier."""
+    model = tiny_model()
+    cache = TieredCache(model.config, small(retier_every=3, query_tokens=8))
+    doc, question = ids(160), ids(6, seed=2)
+    run(model, cache, doc)
+    prepare_question(model, cache, question)
+    seen: list[torch.Tensor | None] = []
+    original = TieredCache.retier_layer
+    monkeypatch.setattr(TieredCache, "retier_layer",
+                        lambda self, i, q: (seen.append(q), original(self, i, q))[1])
+    with record_queries(model, cache, tokens=cache.kv.query_tokens):
+        logits = run(model, cache, question)
+        cache.start_decode()  # the question's 6 tokens do not count as decode steps
+        assert not cache.maybe_retier()
+        fired = []
+        for _ in range(7):
+            logits = run(model, cache, logits[:, -1:].argmax(-1))
+            fired.append(cache.maybe_retier())
+    assert fired == [False, False, True, False, False, True, False]
+    assert len(seen) == 2 * model.config.num_hidden_layers
+    assert all(q is not None and q.shape[2] == 8 for q in seen)  # the newest 8 queries, not key stand-ins
+    newest = cache.layers[0].query_pos
+    assert newest[-1] == cache.get_seq_length() - 1 and len(newest) == 8
+    cache.rollback(160)  # the answer is forgotten, and so are its queries
+    assert cache.layers[0].queries is None or cache.layers[0].query_pos.numel() == 0
+    assert cache.get_seq_length() == 160 and cache.tier_tokens()["total"] == 160
+
+
 def test_accounting_and_auto_budget() -> None:
     model = tiny_model()
     cache = TieredCache(model.config, small(core_tokens=0.1, association_tokens=0.25))

@@ -31,6 +31,9 @@ class KVConfig(BaseModel):
     group_tokens: int = 32
     differential: bool = False
     background: Literal["lz4"] | None = "lz4"
+    #: Re-tier every N decode steps, ranked by the newest queries (the question's, then the answer's own), so the
+    #: tokens the answer is copying from move into the core; ``None``: only each question re-tiers. Each costs one
+    #: re-tier (about 2 s at 8K tokens on 2 CPU cores): see bench/RESULTS.md, issue 3.
     retier_every: int | None = None
     query_tokens: int = 64
     #: ``tokens``: rank single tokens by the question's attention over the keys the device holds, plus background

@@ -142,8 +142,17 @@ class TieredCache(Cache):
         priority[:, :, forced] = float("inf")
         layer.rebuild(priority, core, assoc, page_ids)
 
+    def start_decode(self) -> None:
+        """Count ``retier_every`` in decode steps from here (the question's suffix does not count)."""
+        self.retiered_at = self.get_seq_length()
+
     def maybe_retier(self) -> bool:
-        """Re-tier when ``retier_every`` tokens were added since the last re-tier; call between decode steps."""
+        """Re-tier when ``retier_every`` tokens were added since the last re-tier; call between decode steps.
+
+        Inside ``record_queries`` (as ``Session`` runs a decode with ``retier_every`` set) the ranking uses the
+        newest recorded queries: the question's and then the answer's own, so the tokens the answer is reading
+        from move into the core; otherwise the newest core keys stand in for queries.
+        """
         every = self.kv.retier_every
         if every is None or self.get_seq_length() - self.retiered_at < every:
             return False
