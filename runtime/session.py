@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from runtime import metrics
 from runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question
+from runtime.kv.code_attention import reading_codes
 from runtime.kv.queries import record_queries
 from runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
 from runtime.pruning import Pruner, PruningConfig, find_head
@@ -215,7 +216,9 @@ class Session:
         if tiered and getattr(self.cache, "kv", None) is not None and self.cache.kv.retier_every:
             # Decode-time re-tiers rank tokens by the newest queries (the question's, then the answer's own).
             recording = record_queries(self.model, self.cache, tokens=self.cache.kv.query_tokens)
-        with recording:
+        # One-token steps attend to the association tier's packed codes directly (runtime.kv.code_attention).
+        codes = reading_codes(self.model, self.cache) if tiered else contextlib.nullcontext()
+        with recording, codes:
             return self._decode(question, suffix, max_new_tokens, prune, tiered, started)
 
     def _decode(self, question: str, suffix: list[int], max_new_tokens: int, prune: bool, tiered: bool,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from runtime.kv import code_attention
 from runtime.kv.association import AssociationStore
 from runtime.kv.background import ExactArchive
 from runtime.kv.config import KVConfig
@@ -35,6 +36,9 @@ class TieredLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
     is_sliding = False
+    #: One-token steps hand the packed tiers to ``code_attention.attention_forward`` instead of dequantising them
+    #: (set by ``code_attention.reading_codes`` while the model's attention is that function).
+    read_codes = False
 
     def __init__(self, kv: KVConfig, layer_idx: int) -> None:
         super().__init__()
@@ -76,6 +80,9 @@ class TieredLayer(CacheLayerMixin):
         self.store(key_states, value_states)
         core_k, core_v = self.keys[:, :, : self.n_core], self.values[:, :, : self.n_core]
         if self.n_assoc == 0:
+            return core_k, core_v
+        if self.read_codes and key_states.shape[2] == 1 and code_attention.supports(self.assoc):
+            code_attention.hand_over(self)  # attention reads the codes; what is returned here goes unused
             return core_k, core_v
         # One buffer [association | core]: the codes are expanded straight into its front, the core copied behind.
         a = self.n_assoc
@@ -402,14 +409,20 @@ class TieredLayer(CacheLayerMixin):
         b, h, _, d = self.keys.shape
         return 2 * b * h * d * self.keys.element_size()
 
+    def device_bytes(self) -> int:
+        """Core + association + summaries: what ``bytes_by_tier`` gives for the device, without the host archive."""
+        return self.n_core * self.token_bytes() + (self.assoc.nbytes() if self.n_assoc else 0) + self._summary_bytes()
+
+    def _summary_bytes(self) -> int:
+        return 0 if self.kmin is None else 2 * self.kmin.numel() * self.kmin.element_size()
+
     def bytes_by_tier(self) -> dict[str, int]:
-        summaries = 0 if self.kmin is None else 2 * self.kmin.numel() * self.kmin.element_size()
         host_index = self.n_core * 8 * (self.core_pos.shape[0] * self.core_pos.shape[1] if self.core_pos is not None
                                         else 0) + (self.assoc_pos.numel() * 8 if self.n_assoc else 0)
         return {
             "core": self.n_core * self.token_bytes(),
             "association": self.assoc.nbytes() if self.n_assoc else 0,
-            "summaries": summaries,
+            "summaries": self._summary_bytes(),
             "background_host": self.archive.nbytes(),
             "index_host": host_index,
         }

@@ -198,9 +198,9 @@ class TieredCache(Cache):
         return total or {"core": 0, "association": 0, "summaries": 0, "background_host": 0, "index_host": 0}
 
     def device_bytes(self) -> int:
-        """KV bytes on the compute device: core + association + page summaries."""
-        t = self.tier_bytes()
-        return t["core"] + t["association"] + t["summaries"]
+        """KV bytes on the compute device: core + association + page summaries (checked after every forward, so it
+        leaves the host archive alone)."""
+        return sum(layer.device_bytes() for layer in self.layers if layer.is_initialized)
 
     def host_bytes(self) -> int:
         """KV bytes in host memory: the compressed exact archive plus tier bookkeeping."""

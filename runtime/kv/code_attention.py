@@ -1,0 +1,194 @@
+"""One-token decode attention that reads the association tier's packed codes as they are (the CPU fast path).
+
+Dequantising the association tier every step (``AssociationStore.dequantize_into`` then SDPA) costs more on a CPU
+than attending over the full bf16 cache does, because each code is expanded, scaled and shifted into a bf16 buffer
+before attention reads it again. Here the scales and zeros are folded into the query (keys) and the attention
+weights (values) instead, so the codes are only ever converted to float, never rescaled:
+
+* keys are quantised per channel over groups of tokens: ``k[t, c] = s[g, c] * code[t, c] + z[g, c]``, so
+  ``q . k[t] = sum_c (q[c] * s[g, c]) * code[t, c] + q . z[g]``: one small matmul per token group;
+* values are quantised per token over groups of channels: ``sum_t p[t] * v[t, c] = sum_t (p[t] * s[t, cg]) *
+  code[t, c] + sum_t p[t] * z[t, cg]``.
+
+The packed bytes are not unpacked either. A byte ``b`` holds ``8 // bits`` codes ``c_k`` (``c_k`` at bit
+``k * bits``); its shifted planes ``P_k = b >> (k * bits)`` satisfy ``c_k = P_k - 2**bits * P_{k+1}``, so a weighted
+sum of codes is a weighted sum of planes with weights ``w_k - 2**bits * w_{k-1}``. Each plane is one shift and one
+float conversion, no mask, no interleave.
+
+The maths is float32 end to end; it equals the dequantise-then-attend reference to float32 rounding (tests: 1e-4,
+1e-3 at 2 bits, where the unmasked planes reach 255 before the shifts cancel). The
+differential encoding (per-page anchors) is not folded: those tiers take the dequantising path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from runtime.kv.association import AssociationStore
+
+
+def supports(assoc: AssociationStore | None) -> bool:
+    """Whether :func:`code_attention` can read this tier directly (any bits, not differential, KIVI layout)."""
+    if assoc is None or assoc.length == 0:
+        return True
+    return assoc.anchor_index is None and assoc.keys.per_channel and not assoc.values.per_channel
+
+
+def _planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float planes ``[..., per, bytes]`` of packed bytes ``[..., bytes]``: plane k is ``byte >> (k * bits)``.
+
+    The planes are not masked (see the module docstring); each is written straight into its float slot.
+    """
+    per = 8 // bits
+    out = torch.empty(*codes.shape[:-1], per, codes.shape[-1], dtype=torch.float32, device=codes.device)
+    for k in range(per):
+        out[..., k, :].copy_(codes >> (k * bits) if k else codes)
+    return out
+
+
+def _plane_weights(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """Weights per code ``[..., bytes, per]`` -> weights per plane ``[..., per, bytes]``: ``w_k - 2**bits w_{k-1}``."""
+    out = w.transpose(-1, -2).contiguous()
+    if out.shape[-2] > 1:
+        out[..., 1:, :] -= float(1 << bits) * w.transpose(-1, -2)[..., :-1, :]
+    return out
+
+
+def _codes_from_planes(a: torch.Tensor, bits: int) -> torch.Tensor:
+    """Sums over planes ``[..., per, bytes]`` -> sums over codes ``[..., bytes, per]``: ``A_k - 2**bits A_{k+1}``."""
+    if a.shape[-2] > 1:
+        a = a.clone()
+        a[..., :-1, :] -= float(1 << bits) * a[..., 1:, :]
+    return a.transpose(-1, -2)
+
+
+def association_scores(qg: torch.Tensor, assoc: AssociationStore) -> torch.Tensor:
+    """Scaled scores ``[B, H, r, n]`` of grouped queries ``qg`` [B, H, r, D] over the association keys."""
+    keys = assoc.keys
+    b, h, r, d = qg.shape
+    per, g = 8 // keys.bits, keys.group
+    groups = keys.codes.shape[2] // g
+    planes = _planes(keys.codes, keys.bits).view(b, h, groups, g, d)  # [B, H, G, g, per * bytes]
+    w = qg.unsqueeze(2) * keys.scale.float()  # [B, H, G, r, D]: the query with each group's channel scales
+    w = _plane_weights(w.view(b, h, groups, r, d // per, per), keys.bits).view(b, h, groups, r, d)
+    scores = torch.matmul(w, planes.transpose(-1, -2))  # [B, H, G, r, g]
+    scores += (qg.unsqueeze(2) * keys.zero.float()).sum(-1, keepdim=True)
+    return scores.transpose(2, 3).reshape(b, h, r, groups * g)[..., : keys.length]
+
+
+def association_values(p: torch.Tensor, assoc: AssociationStore) -> torch.Tensor:
+    """``sum_t p[t] * v[t]`` [B, H, r, D] for attention weights ``p`` [B, H, r, n] over the association values."""
+    values = assoc.values
+    b, h, r, n = p.shape
+    per, vg = 8 // values.bits, values.group
+    d = values.codes.shape[-1] * per
+    cg, vb = d // vg, vg // per  # channel groups; bytes per group
+    scale, zero = values.scale.float()[..., 0], values.zero.float()[..., 0]  # [B, H, n, CG]
+    weighted = (p.unsqueeze(-1) * scale.unsqueeze(2)).permute(0, 1, 4, 2, 3)  # [B, H, CG, r, n]
+    grouped = values.codes.view(b, h, n, cg, vb).transpose(2, 3)  # [B, H, CG, n, bytes of the group]
+    planes = _planes(grouped, values.bits).view(b, h, cg, n, vg)  # [B, H, CG, n, per * bytes]
+    sums = torch.matmul(weighted, planes).view(b, h, cg, r, per, vb)  # over planes
+    sums = _codes_from_planes(sums, values.bits).reshape(b, h, cg, r, vg)  # over codes, channel order
+    sums += torch.matmul(p, zero).transpose(2, 3).unsqueeze(-1)  # the zero points, [B, H, CG, r, 1]
+    return sums.permute(0, 1, 3, 2, 4).reshape(b, h, r, d)
+
+
+def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, n_core: int,
+                   assoc: AssociationStore | None, scale: float) -> torch.Tensor:
+    """Attention of one query token per head over ``[association codes, core[:n_core]]``, float32.
+
+    Args:
+        q: ``[B, Hq, D]`` queries (post-RoPE); ``Hq`` a multiple of the KV heads (GQA).
+        core_k, core_v: ``[B, Hkv, >=n_core, D]`` exact core tier.
+        assoc: the packed association tier (``supports(assoc)`` must hold), or ``None``.
+    Returns: ``[B, Hq, D]`` float32, what ``runtime.gpu.reference.tiered_decode_reference`` computes.
+    """
+    b, hq, d = q.shape
+    h = core_k.shape[1]
+    r = hq // h
+    qg = q.float().view(b, h, r, d) * scale
+    scores = torch.matmul(qg, core_k[:, :, :n_core].float().transpose(-1, -2))  # [B, H, r, n_core]
+    n_assoc = assoc.length if assoc is not None else 0
+    if n_assoc:
+        scores = torch.cat([association_scores(qg, assoc), scores], dim=-1)
+    p = scores.softmax(dim=-1)
+    out = torch.matmul(p[..., n_assoc:], core_v[:, :, :n_core].float())
+    if n_assoc:
+        out += association_values(p[..., :n_assoc], assoc)
+    return out.view(b, hq, d)
+
+
+# ---- wiring into transformers' attention ----------------------------------------------------------------------------
+#: Name under which :func:`attention_forward` is registered with transformers (``register``).
+ATTN_NAME = "docfuse_codes"
+
+_handover = threading.local()  # layer_idx -> the layer whose one-token update awaits its attention call
+
+
+def hand_over(layer: Any) -> None:
+    """Called by ``TieredLayer.update``: the next attention call of this layer reads its tiers directly."""
+    if not hasattr(_handover, "layers"):
+        _handover.layers = {}
+    _handover.layers[layer.layer_idx] = layer
+
+
+def take(layer_idx: int) -> Any:
+    """The layer handed over for ``layer_idx`` (once), or ``None``."""
+    return getattr(_handover, "layers", {}).pop(layer_idx, None)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any
+                      ) -> tuple[torch.Tensor, None]:
+    """transformers attention function: :func:`code_attention` for a handed-over one-token step, else SDPA.
+
+    The handed-over path applies no mask: it serves unpadded decoding (``Session``), where a one-token step may
+    see every cached token.
+    """
+    layer = take(getattr(module, "layer_idx", -1))
+    if layer is not None and query.shape[2] == 1:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = code_attention(query[:, :, 0], layer.keys, layer.values, layer.n_core, layer.assoc, scale)
+        return out.to(query.dtype).unsqueeze(1), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def register() -> str:
+    """Register :func:`attention_forward` (with SDPA's mask builder) as :data:`ATTN_NAME`; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    return ATTN_NAME
+
+
+@contextlib.contextmanager
+def reading_codes(model: torch.nn.Module, cache: Any) -> Iterator[bool]:
+    """Inside: one-token steps of ``cache`` (a TieredCache) attend to the packed codes directly.
+
+    Only for a model on SDPA (its attention is swapped for :func:`attention_forward`, which falls back to SDPA for
+    everything else) and unpadded batches; yields whether it is on. Both are restored on exit.
+    """
+    config = model.config
+    saved = config._attn_implementation
+    on = saved in ("sdpa", ATTN_NAME) and hasattr(cache, "layers")
+    if on:
+        config._attn_implementation = register()
+        for layer in cache.layers:
+            layer.read_codes = True
+    try:
+        yield on
+    finally:
+        if on:
+            config._attn_implementation = saved
+            for layer in cache.layers:
+                layer.read_codes = False
+            getattr(_handover, "layers", {}).clear()

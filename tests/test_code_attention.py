@@ -1,0 +1,118 @@
+"""Decode attention over the packed codes (runtime.kv.code_attention): the same maths as dequantise-then-attend,
+and its wiring into a model's one-token steps through ``reading_codes``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from runtime.gpu.reference import tiered_decode_reference
+from runtime.kv import TieredCache, prepare_question
+from runtime.kv import code_attention as ca
+from runtime.kv.association import AssociationStore
+from runtime.session import cache_kwarg
+
+
+def tiers(b: int, hkv: int, d: int, n_core: int, n_assoc: int, bits: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    core_k = torch.randn(b, hkv, n_core + 3, d, generator=g)  # spare capacity, as in the cache
+    core_v = torch.randn(b, hkv, n_core + 3, d, generator=g)
+    channel_scale = torch.linspace(0.1, 4, d)  # outlier channels, as real keys have
+    k = torch.randn(b, hkv, n_assoc, d, generator=g) * channel_scale + torch.randn(d, generator=g)
+    v = torch.randn(b, hkv, n_assoc, d, generator=g)
+    return core_k, core_v, AssociationStore.build(k, v, bits, 32)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("b,hkv,rep,d,n_core,n_assoc", [
+    (1, 3, 3, 64, 50, 300),   # the embedded model's heads; a partial last key group
+    (2, 2, 4, 32, 7, 64),     # batch rows, one channel group per value token
+    (1, 1, 1, 128, 1, 33),
+])
+def test_code_attention_equals_dequantise_then_attend(bits, b, hkv, rep, d, n_core, n_assoc) -> None:
+    core_k, core_v, assoc = tiers(b, hkv, d, n_core, n_assoc, bits)
+    q = torch.randn(b, hkv * rep, d, generator=torch.Generator().manual_seed(9)) * 2
+    ref = tiered_decode_reference(q, core_k, core_v, n_core, assoc, d ** -0.5)
+    got = ca.code_attention(q, core_k, core_v, n_core, assoc, d ** -0.5)
+    tol = 1e-3 if bits == 2 else 1e-4  # 2-bit planes reach 255 before the shifts cancel: float32 rounding grows
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+def test_code_attention_bf16_tiers_and_no_association() -> None:
+    core_k, core_v, assoc = tiers(1, 3, 64, 40, 200, 4)
+    core_k, core_v = core_k.bfloat16(), core_v.bfloat16()
+    q = torch.randn(1, 9, 64).bfloat16()
+    for a in (assoc, None):
+        ref = tiered_decode_reference(q, core_k, core_v, 40, a, 0.125)
+        torch.testing.assert_close(ca.code_attention(q, core_k, core_v, 40, a, 0.125), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_supports_refuses_the_differential_encoding() -> None:
+    k = torch.randn(1, 1, 40, 64)
+    assert ca.supports(AssociationStore.build(k, k, 4, 32)) and ca.supports(None)
+    assert not ca.supports(AssociationStore.build(k, k, 4, 32, torch.zeros(1, 1, 40, dtype=torch.long)))
+
+
+def tiny(impl: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=192, num_attention_heads=6, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=256, max_position_embeddings=2048)
+    config._attn_implementation = impl
+    return LlamaForCausalLM(config).eval()
+
+
+def decode(model, kv: dict, steps: int, codes: bool, calls: list | None = None) -> torch.Tensor:
+    """Prefill 300 tokens, re-tier for a question, then greedy one-token steps; their logits."""
+    doc = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
+    question = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    cache = TieredCache(model.config, kv)
+    kw = {cache_kwarg(model): cache}
+    out = []
+    with torch.no_grad():
+        model(input_ids=doc, **kw)
+        prepare_question(model, cache, question)
+        tok = model(input_ids=question, **kw).logits[:, -1:].argmax(-1)
+        with ca.reading_codes(model, cache) if codes else _null() as on:
+            assert on in (True, None)
+            for _ in range(steps):
+                logits = model(input_ids=tok, **kw).logits[:, -1]
+                out.append(logits)
+                tok = logits.argmax(-1, keepdim=True)
+    return torch.stack(out)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_reading_codes_gives_the_dequantising_paths_logits(monkeypatch) -> None:
+    model = tiny()
+    kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16}
+    plain = decode(model, kv, 4, codes=False)
+    calls = []
+    real = ca.code_attention
+    monkeypatch.setattr(ca, "code_attention", lambda *a: calls.append(1) or real(*a))
+    fused = decode(model, kv, 4, codes=True)
+    assert len(calls) == 4 * 2  # every one-token step of every layer read the codes
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert not getattr(ca._handover, "layers", {})
+
+
+def test_reading_codes_leaves_eager_models_and_differential_tiers_on_the_dequantising_path(monkeypatch) -> None:
+    calls = []
+    real = ca.code_attention
+    monkeypatch.setattr(ca, "code_attention", lambda *a: calls.append(1) or real(*a))
+    model = tiny("eager")
+    cache = TieredCache(model.config, {})
+    with ca.reading_codes(model, cache) as on:
+        assert not on and model.config._attn_implementation == "eager"
+    sdpa = tiny()
+    kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16, "differential": True}
+    torch.testing.assert_close(decode(sdpa, kv, 2, codes=True), decode(sdpa, kv, 2, codes=False))
+    assert not calls
