@@ -65,6 +65,19 @@ EXTRA_CONFIGS: dict[str, Any] = {
                                  "retier_every": 8},
     "tiered 10%/25% 4-bit re16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
                                  "retier_every": 16},
+    "tiered 10%/25% 4-bit pool15": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                    "vote_pool": 15},
+    "tiered 10%/25% 4-bit pool31": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                    "vote_pool": 31},
+    "tiered 10%/25% 4-bit share0.5": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                      "vote_sharing": 0.5},
+    "tiered 10%/25% 4-bit pool15 share0.5": {"core_tokens": 0.10, "association_tokens": 0.25,
+                                             "association_bits": 4, "vote_pool": 15, "vote_sharing": 0.5},
+    "SnapKV pool15 @ target bytes": "snapkv:15",
+    "tiered 10%/25% 4-bit dequantise": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                        "decode": "dequantise"},
+    "tiered 10%/25% 4-bit pool7": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
+                                   "vote_pool": 7},
     "tiered 10%/25% 4-bit p16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
                                  "page_tokens": 16},
 }
@@ -149,12 +162,14 @@ def run_case(model, tokenizer, case: kv_cases.Case, configs: dict[str, Any], ver
         row["copy_exact"] = check_copy(model, tokenizer, case, configs, dyn)
     snap_budget = None
     for name, kv in configs.items():
-        if name == SNAP and snap_budget is None:
+        if isinstance(kv, str) and snap_budget is None:
             continue  # needs the target's bytes (only happens when the target is not run)
         if kv is None:
             session = full
-        elif kv == "snapkv":
-            session = adopt(model, tokenizer, None, copy_into(SnapKVForSession(model.config, snap_budget), dyn))
+        elif isinstance(kv, str):  # "snapkv" or "snapkv:KERNEL" (its vote pool width)
+            kernel = int(kv.partition(":")[2] or 7)
+            session = adopt(model, tokenizer, None,
+                            copy_into(SnapKVForSession(model.config, snap_budget, kernel=kernel), dyn))
         else:
             session = adopt(model, tokenizer, kv, copy_into(TieredCache(model.config, kv), dyn))
         _PREPARED.clear()
@@ -190,7 +205,7 @@ def check_copy(model, tokenizer, case: kv_cases.Case, configs: dict[str, Any], d
     for name, kv in configs.items():
         if kv is None:
             continue
-        if kv == "snapkv":
+        if isinstance(kv, str):
             cache = SnapKVForSession(model.config, 1 << 30)
             s = adopt(model, tokenizer, None, cache)
             for start in range(0, len(case.prefix_ids), 512):

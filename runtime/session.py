@@ -217,7 +217,9 @@ class Session:
             # Decode-time re-tiers rank tokens by the newest queries (the question's, then the answer's own).
             recording = record_queries(self.model, self.cache, tokens=self.cache.kv.query_tokens)
         # One-token steps attend to the association tier's packed codes directly (runtime.kv.code_attention).
-        codes = reading_codes(self.model, self.cache) if tiered else contextlib.nullcontext()
+        codes = contextlib.nullcontext()
+        if tiered and getattr(self.cache, "kv", None) is not None and self.cache.kv.decode == "codes":
+            codes = reading_codes(self.model, self.cache)
         with recording, codes:
             return self._decode(question, suffix, max_new_tokens, prune, tiered, started)
 

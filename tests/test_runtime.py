@@ -328,6 +328,28 @@ def test_tiered_session_re_tiers_during_decode_from_the_answers_queries(model_an
     assert all(q is not None for q in ranked_by)  # real queries, never the newest keys standing in
 
 
+@pytest.mark.slow
+def test_tiered_session_decodes_from_the_codes_as_it_would_from_dequantised_tiers(model_and_tokenizer, monkeypatch):
+    from runtime.kv import code_attention
+    from runtime.session import Session
+
+    model, tokenizer = model_and_tokenizer
+    calls = []
+    real = code_attention.code_attention
+    monkeypatch.setattr(code_attention, "code_attention", lambda *a: calls.append(1) or real(*a))
+    doc = "Notes. " * 300 + "The pass key is 58213. Remember it. " + "More notes. " * 300
+    answers = {}
+    for decode in ("dequantise", "codes"):
+        session = Session(model, tokenizer, kv={"core_tokens": 0.1, "association_tokens": 0.25, "decode": decode})
+        session.prefill(session.fit_document(doc, questions=["What is the pass key?"], max_new_tokens=16))
+        answers[decode] = session.ask("What is the pass key?", max_new_tokens=16)
+        assert bool(calls) == (decode == "codes")
+    steps = answers["codes"].new_tokens - 1 + (answers["codes"].finish_reason == "eos")
+    assert len(calls) == steps * model.config.num_hidden_layers  # every decode step of every layer read the codes
+    assert answers["codes"].text == answers["dequantise"].text and "58213" in answers["codes"].text
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_thread_count_follows_env_and_leaves_busy_cores_alone(monkeypatch):
     import torch
 

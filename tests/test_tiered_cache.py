@@ -417,6 +417,10 @@ def test_accounting_and_auto_budget() -> None:
     ({"core_tokens": "lots"}, "core_tokens"),
     ({"scoring": "attention"}, "scoring"),
     ({"candidate_tokens": -3}, "candidate_tokens"),
+    ({"vote_pool": 8}, "vote_pool"),
+    ({"vote_pool": 0}, "vote_pool"),
+    ({"vote_sharing": 1.5}, "vote_sharing"),
+    ({"decode": "fast"}, "decode"),
 ])
 def test_config_errors_name_the_key(bad: dict, key: str) -> None:
     with pytest.raises(ValidationError) as err:
@@ -510,6 +514,26 @@ def test_token_votes_follow_attention_and_ignore_unknown_keys() -> None:
     assert torch.allclose(raw.sum(), torch.tensor(2.0))  # each query spreads one unit of mass
     pooled = token_votes(q, keys, known, kernel=7)
     assert pooled[0, 0, 17:24].min() > pooled[0, 0, 5]  # neighbours of the hit rise with it
+
+
+def test_vote_sharing_keeps_what_one_head_found_in_the_other_heads() -> None:
+    """Head 0's query reads page 5 (channel 0 there), head 1's reads page 11: with sharing, each head's core holds
+    both pages; without it, only its own."""
+    kv = small(core_tokens=4 + 4 + 32, association_tokens=0, recent_tokens=4, vote_pool=1)
+    q = torch.zeros(1, 4, 1, 16)
+    q[:, :2, :, 0] = 10.0  # query heads 0-1 -> KV head 0
+    q[:, 2:, :, 1] = 10.0  # query heads 2-3 -> KV head 1
+    core = {}
+    for sharing in (0.0, 1.0):
+        cache, _ = synthetic_cache({**kv, "vote_sharing": sharing}, marked={5: 0, 11: 1})
+        cache.retier([q for _ in cache.layers])
+        core[sharing] = cache.membership(0)[0] == 0  # [H, T]
+    page5, page11 = slice(80, 96), slice(176, 192)
+    # alone, a head fills its spare core slots with weak votes: a few tokens of the other head's page at most
+    assert core[0.0][0, page5].all() and core[0.0][1, page5].sum() < 8
+    assert core[0.0][1, page11].all() and core[0.0][0, page11].sum() < 8
+    assert core[1.0][0, page5].all() and core[1.0][1, page5].all()
+    assert core[1.0][0, page11].all() and core[1.0][1, page11].all()
 
 
 def test_nominate_takes_best_pages_among_eligible_only() -> None:

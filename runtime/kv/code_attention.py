@@ -40,15 +40,12 @@ def supports(assoc: AssociationStore | None) -> bool:
 
 
 def _planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Float planes ``[..., per, bytes]`` of packed bytes ``[..., bytes]``: plane k is ``byte >> (k * bits)``.
-
-    The planes are not masked (see the module docstring); each is written straight into its float slot.
-    """
+    """Float planes ``[..., per * bytes]`` (plane-major) of packed bytes ``[..., bytes]``: plane k is
+    ``byte >> (k * bits)``, not masked (see the module docstring)."""
     per = 8 // bits
-    out = torch.empty(*codes.shape[:-1], per, codes.shape[-1], dtype=torch.float32, device=codes.device)
-    for k in range(per):
-        out[..., k, :].copy_(codes >> (k * bits) if k else codes)
-    return out
+    if per == 1:
+        return codes.float()
+    return torch.cat([codes] + [codes >> (k * bits) for k in range(1, per)], dim=-1).float()
 
 
 def _plane_weights(w: torch.Tensor, bits: int) -> torch.Tensor:
@@ -77,7 +74,7 @@ def association_scores(qg: torch.Tensor, assoc: AssociationStore) -> torch.Tenso
     w = qg.unsqueeze(2) * keys.scale.float()  # [B, H, G, r, D]: the query with each group's channel scales
     w = _plane_weights(w.view(b, h, groups, r, d // per, per), keys.bits).view(b, h, groups, r, d)
     scores = torch.matmul(w, planes.transpose(-1, -2))  # [B, H, G, r, g]
-    scores += (qg.unsqueeze(2) * keys.zero.float()).sum(-1, keepdim=True)
+    scores += torch.matmul(qg, keys.zero.float().squeeze(3).transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
     return scores.transpose(2, 3).reshape(b, h, r, groups * g)[..., : keys.length]
 
 
@@ -89,7 +86,7 @@ def association_values(p: torch.Tensor, assoc: AssociationStore) -> torch.Tensor
     d = values.codes.shape[-1] * per
     cg, vb = d // vg, vg // per  # channel groups; bytes per group
     scale, zero = values.scale.float()[..., 0], values.zero.float()[..., 0]  # [B, H, n, CG]
-    weighted = (p.unsqueeze(-1) * scale.unsqueeze(2)).permute(0, 1, 4, 2, 3)  # [B, H, CG, r, n]
+    weighted = (p.unsqueeze(-1) * scale.unsqueeze(2)).permute(0, 1, 4, 2, 3)  # [B, H, CG, r, n], fp32
     grouped = values.codes.view(b, h, n, cg, vb).transpose(2, 3)  # [B, H, CG, n, bytes of the group]
     planes = _planes(grouped, values.bits).view(b, h, cg, n, vg)  # [B, H, CG, n, per * bytes]
     sums = torch.matmul(weighted, planes).view(b, h, cg, r, per, vb)  # over planes

@@ -41,6 +41,17 @@ class KVConfig(BaseModel):
     scoring: Literal["tokens", "pages"] = "tokens"
     #: Background tokens per head whose pages the summaries nominate for exact scoring at a re-tier (count or fraction).
     candidate_tokens: int | float = 0.25
+    #: Width of the average pool that spreads each token's vote to its neighbours (odd; 1 = no pooling): a needle's
+    #: value sits beside the words the question attends to.
+    vote_pool: int = 7
+    #: Share of the best vote any KV head of the layer gives a token, added to every head's own vote: a fact that one
+    #: head finds for the question is kept in the others too, for the answer copies it through heads that did not
+    #: attend to it while reading the question. 0 ranks every head alone.
+    vote_sharing: float = 0.0
+    #: How a one-token decode step reads the association tier: ``codes`` attends to the packed codes directly
+    #: (runtime.kv.code_attention; models on SDPA), ``dequantise`` expands them to model precision first and runs the
+    #: model's own attention. Both compute the same attention (to float rounding); ``codes`` is faster on CPUs.
+    decode: Literal["codes", "dequantise"] = "codes"
     #: ``tokens``: the usual chunked prefill (every layer per chunk; the full cache exists until the first re-tier).
     #: ``layers``: layer-major prefill (runtime.layer_prefill): one layer over the whole document at a time, tiered
     #: as soon as it is full, so peak memory never holds the full-precision cache of every layer. Same logits.
@@ -89,6 +100,20 @@ class KVConfig(BaseModel):
     def _positive(cls, value: int, info) -> int:
         if value < 1:
             raise ValueError(f"{info.field_name} must be at least 1, got {value}")
+        return value
+
+    @field_validator("vote_pool")
+    @classmethod
+    def _pool(cls, value: int) -> int:
+        if value < 1 or value % 2 == 0:
+            raise ValueError(f"vote_pool must be a positive odd number of tokens, got {value}; e.g. vote_pool: 7")
+        return value
+
+    @field_validator("vote_sharing")
+    @classmethod
+    def _sharing(cls, value: float) -> float:
+        if not 0 <= value <= 1:
+            raise ValueError(f"vote_sharing must be in [0, 1], got {value}")
         return value
 
     @field_validator("retier_every")

@@ -304,7 +304,10 @@ class TieredLayer(CacheLayerMixin):
                 mixed = torch.where(fresh.to(self.device).unsqueeze(-1), assoc_k, current)
                 full_k.scatter_(2, idx, mixed)
                 known = filled.clone().scatter_(2, self.assoc_pos, True)
-        votes = token_votes(grouped, full_k, known.to(self.device)).cpu().double()
+        votes = token_votes(grouped, full_k, known.to(self.device), kernel=self.kv.vote_pool)
+        if self.kv.vote_sharing:
+            votes = votes + self.kv.vote_sharing * votes.amax(dim=1, keepdim=True)
+        votes = votes.cpu().double()
         # Unvoted tokens: below every vote (votes are >= 0), ordered by page score.
         rank = torch.argsort(torch.argsort(page_score, dim=-1, stable=True), dim=-1, stable=True).cpu().double()
         fallback = -2.0 + rank / max(1, self.length)
