@@ -371,6 +371,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads for the accuracy part (default: what "
                         "runtime.loading.configure_threads picks from the load average; recorded in the result)")
     parser.add_argument("--cases", nargs="+", help="only these case ids (e.g. s8k-03 m8k-00)")
+    parser.add_argument("--out", help="result name under bench/results (default: kv, or tmp/kv_partial for a part)")
+    parser.add_argument("--seed-offset", type=int, default=0, help="draw other needles and haystacks (a held-out "
+                        "set of cases, ids tagged +N) at the same sizes, depths and kinds")
     parser.add_argument("--speed-configs", nargs="+", default=[], help="tiered configs timed beside the target "
                         "(with --sizes/--threads the speed plan is those sizes at those threads, best of 2)")
     parser.add_argument("--model", default="default", help="model name or path, as runtime.loading.load_model")
@@ -385,7 +388,7 @@ def main() -> None:
         parser.error(f"unknown configs {sorted(unknown)}; choose from {list(known)}")
     configs = {k: v for k, v in known.items() if (k in args.configs if args.configs else k in CONFIGS)}
     partial = args.quick or args.sizes or args.configs or args.only or args.cases
-    name = "tmp/kv_quick" if args.quick else "tmp/kv_partial" if partial else "kv"
+    name = args.out or ("tmp/kv_quick" if args.quick else "tmp/kv_partial" if partial else "kv")
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
 
     model, tokenizer = load_model(args.model, device=args.device)
@@ -405,7 +408,8 @@ def main() -> None:
     started = time.perf_counter()
 
     if args.only != "speed":
-        cases = kv_cases.single_cases(plan["single"], with_essays) + kv_cases.multi_cases(plan["multi"], with_essays)
+        cases = (kv_cases.single_cases(plan["single"], with_essays, args.seed_offset)
+                 + kv_cases.multi_cases(plan["multi"], with_essays, args.seed_offset))
         if args.cases:
             cases = [c for c in cases if c.id in args.cases]
         reserve = max(len(prompt.suffix(q)) for c in cases for q in kv_cases.questions(c)) + MAX_NEW_TOKENS

@@ -185,16 +185,24 @@ def _depths(n: int) -> list[float]:
     return [round(i / (n - 1), 3) for i in range(n)] if n > 1 else [0.5]
 
 
-def single_cases(plan: dict[int, int], with_essays: bool) -> list[Case]:
-    """``plan``: {target tokens: number of cases}; depths evenly from 0 to 1, needle kinds and haystacks rotate."""
+def _tag(seed_offset: int) -> str:
+    return f"+{seed_offset}" if seed_offset else ""
+
+
+def single_cases(plan: dict[int, int], with_essays: bool, seed_offset: int = 0) -> list[Case]:
+    """``plan``: {target tokens: number of cases}; depths evenly from 0 to 1, needle kinds and haystacks rotate.
+
+    ``seed_offset`` draws other needles and haystacks at the same sizes, depths and kinds (ids get ``+offset``): a
+    held-out set for settings chosen on the usual one.
+    """
     out = []
     for size_index, (target, count) in enumerate(sorted(plan.items())):
         for i, depth in enumerate(_depths(count)):
-            seed = target * 1000 + i
+            seed = target * 1000 + i + seed_offset
             rng = random.Random(seed)
             kind = NEEDLE_KINDS[(i + size_index) % len(NEEDLE_KINDS)]  # each size starts on another kind
             haystack = "essays" if with_essays and (i // 2) % 2 == 1 else "synthetic"
-            out.append(Case(f"s{target // 1024}k-{i:02d}", target, haystack, [(make_needle(kind, rng), depth)], seed))
+            out.append(Case(f"s{target // 1024}k-{i:02d}{_tag(seed_offset)}", target, haystack, [(make_needle(kind, rng), depth)], seed))
     return out
 
 
@@ -204,18 +212,18 @@ _PAIRS = (("passkey", "city"), ("codeword", "passkey"), ("passkey", "ingredient"
 _PAIR_DEPTHS = ((0.2, 0.7), (0.75, 0.25), (0.1, 0.55), (0.5, 0.9), (0.35, 0.05), (0.85, 0.45))
 
 
-def multi_cases(plan: dict[int, int], with_essays: bool) -> list[Case]:
-    """Two needles at different depths; question A then question B on one prefill."""
+def multi_cases(plan: dict[int, int], with_essays: bool, seed_offset: int = 0) -> list[Case]:
+    """Two needles at different depths; question A then question B on one prefill (``seed_offset``: as above)."""
     out = []
     for target, count in plan.items():
         for i in range(count):
-            seed = target * 1000 + 500 + i
+            seed = target * 1000 + 500 + i + seed_offset
             rng = random.Random(seed)
             kinds = _PAIRS[i % len(_PAIRS)]
             depths = _PAIR_DEPTHS[i % len(_PAIR_DEPTHS)]
             haystack = "essays" if with_essays and i % 2 == 1 else "synthetic"
             needles = [(make_needle(k, rng), d) for k, d in zip(kinds, depths)]
-            out.append(Case(f"m{target // 1024}k-{i:02d}", target, haystack, needles, seed))
+            out.append(Case(f"m{target // 1024}k-{i:02d}{_tag(seed_offset)}", target, haystack, needles, seed))
     return out
 
 

@@ -47,7 +47,9 @@ def reference_kv(model, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.
 
 
 def small(**overrides) -> dict:
-    kv = {"core_tokens": 40, "association_tokens": 50, "sink_tokens": 4, "recent_tokens": 8, "page_tokens": 16}
+    # vote_pool 7: these caches hold 16-token pages and tens of core tokens, which the default pool (15) would blur
+    kv = {"core_tokens": 40, "association_tokens": 50, "sink_tokens": 4, "recent_tokens": 8, "page_tokens": 16,
+          "vote_pool": 7}
     kv.update(overrides)
     return kv
 

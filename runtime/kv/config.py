@@ -42,8 +42,9 @@ class KVConfig(BaseModel):
     #: Background tokens per head whose pages the summaries nominate for exact scoring at a re-tier (count or fraction).
     candidate_tokens: int | float = 0.25
     #: Width of the average pool that spreads each token's vote to its neighbours (odd; 1 = no pooling): a needle's
-    #: value sits beside the words the question attends to.
-    vote_pool: int = 7
+    #: value sits beside the words the question attends to, and the answer copies it through heads that the question
+    #: barely used. 15 lost no case of the needle benchmark where 7 lost one (bench/RESULTS.md, issue 3).
+    vote_pool: int = 15
     #: Share of the best vote any KV head of the layer gives a token, added to every head's own vote: a fact that one
     #: head finds for the question is kept in the others too, for the answer copies it through heads that did not
     #: attend to it while reading the question. 0 ranks every head alone.
