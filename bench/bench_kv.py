@@ -350,13 +350,17 @@ def markdown(summary: dict[str, Any], speed_rows: list[dict[str, Any]], meta: di
                 for t, v in pre.items())]
     if speed_rows:
         lines += ["", "| threads | prompt tokens | cache | prefill s (tok/s) | question s (re-tier s) | "
-                  "decode tok/s | load avg |", "|---|---|---|---|---|---|---|"]
+                  "decode tok/s | decode / full | load avg |", "|---|---|---|---|---|---|---|---|"]
+        full = {(r["threads"], r["target"]): r["decode_tokens_per_s_best"] for r in speed_rows if r["config"] == "full"}
         for r in speed_rows:
+            base = full.get((r["threads"], r["target"]))
+            ratio = r["decode_tokens_per_s_best"] / base if base else None
             loads = "–".join(f'{x["load"]:.1f}' for x in (min(r["runs"], key=lambda x: x["load"]),
                                                           max(r["runs"], key=lambda x: x["load"])))
             lines.append(f'| {r["threads"]} | {r["prompt_tokens"]} | {r["config"]} | {r["prefill_s_best"]:.1f} '
                          f'({r["prefill_tokens_per_s_best"]:.0f}) | {r["question_s_best"]:.2f} '
-                         f'({r["retier_s_best"]:.2f}) | {r["decode_tokens_per_s_best"]:.1f} | {loads} |')
+                         f'({r["retier_s_best"]:.2f}) | {r["decode_tokens_per_s_best"]:.1f} | {_f(ratio, ".2f")} | '
+                         f'{loads} |')
     lines += ["", f'`{meta["command"]}`, {meta["machine"]}, {meta["started"]}']
     return "\n".join(lines)
 

@@ -116,3 +116,14 @@ def test_reading_codes_leaves_eager_models_and_differential_tiers_on_the_dequant
     kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16, "differential": True}
     torch.testing.assert_close(decode(sdpa, kv, 2, codes=True), decode(sdpa, kv, 2, codes=False))
     assert not calls
+
+
+def test_overlapping_decodes_keep_the_swap_until_the_last_ends() -> None:
+    model = tiny()
+    first, second = TieredCache(model.config, {}), TieredCache(model.config, {})
+    with ca.reading_codes(model, first):
+        with ca.reading_codes(model, second) as on:
+            assert on and model.config._attn_implementation == ca.ATTN_NAME
+        assert model.config._attn_implementation == ca.ATTN_NAME  # the first decode still reads codes
+        assert first.layers[0].read_codes and not second.layers[0].read_codes
+    assert model.config._attn_implementation == "sdpa" and not first.layers[0].read_codes

@@ -167,25 +167,39 @@ def register() -> str:
     return ATTN_NAME
 
 
+_swaps: dict[int, list] = {}  # id(model config) -> [sessions inside reading_codes, the implementation to restore]
+_swaps_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def reading_codes(model: torch.nn.Module, cache: Any) -> Iterator[bool]:
     """Inside: one-token steps of ``cache`` (a TieredCache) attend to the packed codes directly.
 
     Only for a model on SDPA (its attention is swapped for :func:`attention_forward`, which falls back to SDPA for
-    everything else) and unpadded batches; yields whether it is on. Both are restored on exit.
+    everything else) and unpadded batches; yields whether it is on. The model's attention comes back when the last
+    decode inside ``reading_codes`` on it ends (decodes in threads may overlap).
     """
     config = model.config
-    saved = config._attn_implementation
-    on = saved in ("sdpa", ATTN_NAME) and hasattr(cache, "layers")
+    with _swaps_lock:
+        swap = _swaps.get(id(config))
+        on = hasattr(cache, "layers") and (swap is not None or config._attn_implementation == "sdpa")
+        if on:
+            if swap is None:
+                swap = _swaps[id(config)] = [0, config._attn_implementation]
+                config._attn_implementation = register()
+            swap[0] += 1
     if on:
-        config._attn_implementation = register()
         for layer in cache.layers:
             layer.read_codes = True
     try:
         yield on
     finally:
         if on:
-            config._attn_implementation = saved
             for layer in cache.layers:
                 layer.read_codes = False
             getattr(_handover, "layers", {}).clear()
+            with _swaps_lock:
+                swap[0] -= 1
+                if swap[0] == 0:
+                    config._attn_implementation = swap[1]
+                    del _swaps[id(config)]
