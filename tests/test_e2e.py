@@ -147,7 +147,11 @@ def test_pdf_qa_with_tiered_kv_cache_answers_and_reports_tier_bytes(tmp_path):
     res = docfuse("run", "pdf_qa", "-i", "data/sample.pdf", "-o", str(out), "--no-cache",
                   "--set", 'params.questions=["What is the monthly fee?", "Which law governs the agreement?"]',
                   "--set", "answer.max_new_tokens=24",
-                  "--set", "answer.kv={core_tokens: 0.1, association_tokens: 0.25, association_bits: 4}")
+                  # retier_every: the law question's answer ("Ireland") is read by the answer's own queries, not
+                  # the question's: on some CPUs (a Xeon with AMX) the question's ranking alone answers "Civil Law"
+                  # (bench/RESULTS.md, issue 3, 2026-12-05)
+                  "--set", "answer.kv={core_tokens: 0.1, association_tokens: 0.25, association_bits: 4, "
+                           "retier_every: 8}")
     assert res.returncode == 0, res.stderr
     fee, law = pq.read_table(out).to_pylist()
     assert "4,250" in fee["answer"] and "Ireland" in law["answer"]
