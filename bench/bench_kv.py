@@ -44,42 +44,34 @@ SPEED_NEW_TOKENS = 40  # 39 timed decode steps
 TARGET = "tiered 10%/25% 4-bit"
 SNAP = "SnapKV @ target bytes"
 PAGES = "tiered 10%/25% 4-bit, page scoring"
+_T10 = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4}  # the issue's budget
+
+
+def _t10(**overrides: Any) -> dict[str, Any]:
+    """The target budget with some settings changed."""
+    return {**_T10, **overrides}
+
+
 CONFIGS: dict[str, Any] = {
     "full": None,
-    TARGET: {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4},
-    PAGES: {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "scoring": "pages"},
-    "tiered 5%/15% 4-bit": {"core_tokens": 0.05, "association_tokens": 0.15, "association_bits": 4},
-    "tiered 10%/25% 2-bit": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 2},
+    TARGET: _t10(),
+    PAGES: _t10(scoring="pages"),
+    "tiered 5%/15% 4-bit": _t10(core_tokens=0.05, association_tokens=0.15),
+    "tiered 10%/25% 2-bit": _t10(association_bits=2),
     SNAP: "snapkv",
 }
 #: Selectable with --configs, not in the default run.
 EXTRA_CONFIGS: dict[str, Any] = {
-    "tiered 10%/25% 8-bit": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 8},
-    "tiered 10%/25% 4-bit r16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                 "recent_tokens": 16},
-    "tiered 10%/25% 4-bit diff": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                  "differential": True},
-    "tiered 10%/25% 4-bit re4": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                 "retier_every": 4},
-    "tiered 10%/25% 4-bit re8": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                 "retier_every": 8},
-    "tiered 10%/25% 4-bit re16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                 "retier_every": 16},
-    "tiered 10%/25% 4-bit pool15": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                    "vote_pool": 15},
-    "tiered 10%/25% 4-bit pool31": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                    "vote_pool": 31},
-    "tiered 10%/25% 4-bit share0.5": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                      "vote_sharing": 0.5},
-    "tiered 10%/25% 4-bit pool15 share0.5": {"core_tokens": 0.10, "association_tokens": 0.25,
-                                             "association_bits": 4, "vote_pool": 15, "vote_sharing": 0.5},
+    "tiered 10%/25% 8-bit": _t10(association_bits=8),
+    "tiered 10%/25% 4-bit r16": _t10(recent_tokens=16),
+    "tiered 10%/25% 4-bit diff": _t10(differential=True),
+    **{f"tiered 10%/25% 4-bit re{n}": _t10(retier_every=n) for n in (4, 8, 16)},
+    **{f"tiered 10%/25% 4-bit pool{n}": _t10(vote_pool=n) for n in (7, 15, 31)},
+    "tiered 10%/25% 4-bit share0.5": _t10(vote_sharing=0.5),
+    "tiered 10%/25% 4-bit pool15 share0.5": _t10(vote_pool=15, vote_sharing=0.5),
     "SnapKV pool15 @ target bytes": "snapkv:15",
-    "tiered 10%/25% 4-bit dequantise": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                        "decode": "dequantise"},
-    "tiered 10%/25% 4-bit pool7": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                   "vote_pool": 7},
-    "tiered 10%/25% 4-bit p16": {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                                 "page_tokens": 16},
+    "tiered 10%/25% 4-bit dequantise": _t10(decode="dequantise"),
+    "tiered 10%/25% 4-bit p16": _t10(page_tokens=16),
 }
 SHORT = ("full", "t10/25", "pages", "t5/15", "t2bit", "snap")  # progress-line labels, in CONFIGS order
 FULL_PLAN = {"single": {1024: 8, 2048: 8, 4096: 12, 8192: 12}, "multi": {4096: 5, 8192: 5}}

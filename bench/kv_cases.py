@@ -202,7 +202,8 @@ def single_cases(plan: dict[int, int], with_essays: bool, seed_offset: int = 0) 
             rng = random.Random(seed)
             kind = NEEDLE_KINDS[(i + size_index) % len(NEEDLE_KINDS)]  # each size starts on another kind
             haystack = "essays" if with_essays and (i // 2) % 2 == 1 else "synthetic"
-            out.append(Case(f"s{target // 1024}k-{i:02d}{_tag(seed_offset)}", target, haystack, [(make_needle(kind, rng), depth)], seed))
+            out.append(Case(f"s{target // 1024}k-{i:02d}{_tag(seed_offset)}", target, haystack,
+                            [(make_needle(kind, rng), depth)], seed))
     return out
 
 

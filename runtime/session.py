@@ -212,13 +212,13 @@ class Session:
         tiered = hasattr(self.cache, "retier")
         if tiered:  # re-tier for this question from its own queries; counted in its time to first token
             prepare_question(self.model, self.cache, torch.tensor([suffix], dtype=torch.long, device=self.device))
-        recording = contextlib.nullcontext()
-        if tiered and getattr(self.cache, "kv", None) is not None and self.cache.kv.retier_every:
+        kv = getattr(self.cache, "kv", None) if tiered else None
+        recording = codes = contextlib.nullcontext()
+        if kv is not None and kv.retier_every:
             # Decode-time re-tiers rank tokens by the newest queries (the question's, then the answer's own).
-            recording = record_queries(self.model, self.cache, tokens=self.cache.kv.query_tokens)
-        # One-token steps attend to the association tier's packed codes directly (runtime.kv.code_attention).
-        codes = contextlib.nullcontext()
-        if tiered and getattr(self.cache, "kv", None) is not None and self.cache.kv.decode == "codes":
+            recording = record_queries(self.model, self.cache, tokens=kv.query_tokens)
+        if kv is not None and kv.decode == "codes":
+            # One-token steps attend to the association tier's packed codes directly (runtime.kv.code_attention).
             codes = reading_codes(self.model, self.cache)
         with recording, codes:
             return self._decode(question, suffix, max_new_tokens, prune, tiered, started)

@@ -20,14 +20,12 @@ import torch
 
 from runtime.gpu.attention_kernel import HAS_TRITON, kernel_supports, tiered_decode_attention
 from runtime.gpu.reference import tiered_decode_reference
+from runtime.kv import code_attention
 from runtime.kv.layer import TieredLayer
 from runtime.kv.tiered import TieredCache
 
 ATTN_NAME = "docfuse_tiered"
 GRAPH_ATTN_NAME = "docfuse_tiered_graph"
-
-#: layer_idx -> the layer whose one-token update is waiting for its attention call (set in update, taken in attention)
-_PENDING: dict[int, "KernelTieredLayer"] = {}
 
 
 class KernelTieredLayer(TieredLayer):
@@ -41,9 +39,9 @@ class KernelTieredLayer(TieredLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if (not self.fused or key_states.shape[2] != 1 or not self.is_initialized
                 or not kernel_supports(self.assoc, key_states.shape[-1])):
-            _PENDING.pop(self.layer_idx, None)
+            code_attention.take(self.layer_idx)  # nothing stale is left for this layer's attention call
             return super().update(key_states, value_states, *args, **kwargs)
-        _PENDING[self.layer_idx] = self
+        code_attention.hand_over(self)
         if self.graph_slot is not None:  # static shapes: write at a device index, counters advance on the device
             self.keys.index_copy_(2, self.graph_slot, key_states)
             self.values.index_copy_(2, self.graph_slot, value_states)
@@ -82,27 +80,15 @@ class KernelTieredCache(TieredCache):
             layer.fused = fused
 
 
-def tiered_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any
-                             ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: the fused tier kernel for a pending one-token step, else SDPA."""
-    layer = _PENDING.pop(getattr(module, "layer_idx", -1), None)
-    if layer is not None and query.shape[2] == 1:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return layer.decode_attention(query, scale), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-
 def register_attention() -> str:
-    """Register :func:`tiered_attention_forward` (and SDPA's mask builder) under :data:`ATTN_NAME`; returns it."""
+    """Register ``runtime.kv.code_attention.attention_forward`` (the handed-over layer's ``decode_attention``, else
+    SDPA) with SDPA's mask builder under :data:`ATTN_NAME`; returns it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTN_NAME, tiered_attention_forward)
+    AttentionInterface.register(ATTN_NAME, code_attention.attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     # The graph variant has no mask builder: transformers then builds no mask (one-token steps need none), so no
     # host-side mask sizes are baked into a captured graph.
-    AttentionInterface.register(GRAPH_ATTN_NAME, tiered_attention_forward)
+    AttentionInterface.register(GRAPH_ATTN_NAME, code_attention.attention_forward)
     return ATTN_NAME

@@ -142,7 +142,8 @@ def take(layer_idx: int) -> Any:
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any
                       ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: :func:`code_attention` for a handed-over one-token step, else SDPA.
+    """transformers attention function: the handed-over layer's own ``decode_attention`` for a one-token step
+    (``TieredLayer``: :func:`code_attention`; ``runtime.gpu.KernelTieredLayer``: the Triton kernel), else SDPA.
 
     The handed-over path applies no mask: it serves unpadded decoding (``Session``), where a one-token step may
     see every cached token.
@@ -150,8 +151,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     layer = take(getattr(module, "layer_idx", -1))
     if layer is not None and query.shape[2] == 1:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = code_attention(query[:, :, 0], layer.keys, layer.values, layer.n_core, layer.assoc, scale)
-        return out.to(query.dtype).unsqueeze(1), None
+        return layer.decode_attention(query, scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

@@ -93,6 +93,11 @@ class TieredLayer(CacheLayerMixin):
         out_v[:, :, a:].copy_(core_v)
         return out_k, out_v
 
+    def decode_attention(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of a handed-over one-token step, query [B, Hq, 1, D], over the packed tiers -> [B, 1, Hq, D]."""
+        out = code_attention.code_attention(query[:, :, 0], self.keys, self.values, self.n_core, self.assoc, scale)
+        return out.to(query.dtype).unsqueeze(1)
+
     def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append the new tokens to the core without reading anything back (a skipped attention block)."""
         if not self.is_initialized:
