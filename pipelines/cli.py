@@ -200,8 +200,31 @@ def calibrate_pruning(
     work_dir: Annotated[Path, typer.Option(help="Where labels are kept, so a rerun resumes.")] = Path(
         ".docfuse-cache/pruning-labels"),
     threshold: Annotated[float, typer.Option(help="The default threshold the head is chosen for.")] = 0.15,
+    tune_steps: Annotated[int, typer.Option(help="Then tune the best head end to end for this many steps per skip "
+                                            "target (straight-through masks; a GPU makes it quick). 0 = no tuning.")] = 0,
+    skip_targets: Annotated[str, typer.Option(help="Comma-separated shares of blocks to skip that tuning aims "
+                                              "at; every tuned head is scored by real skipping.")] = "0.15,0.2,0.25",
+    tune_batch: Annotated[int, typer.Option(help="Windows per tuning step.")] = 8,
+    read_layers: Annotated[str, typer.Option(help="Comma-separated layers a candidate head may read.")] = "1,2,3",
+    label_kls: Annotated[str, typer.Option(help="Comma-separated label levels (nats) of the candidate heads.")]
+    = "0.005,0.01,0.02,0.05",
+    init_head: Annotated[Optional[Path], typer.Option(help="Tune this head (from an earlier calibrate-pruning for "
+                                                      "the model) instead of labelling and training a new one.")]
+    = None,
 ) -> None:
-    """Calibrate a pruning decision head: ablation labels per token and block, training, threshold sweep."""
+    """Calibrate a pruning decision head: ablation labels per token and block, training, tuning, threshold sweep."""
+    try:
+        targets = [float(x) for x in skip_targets.split(",") if x.strip()]
+        layers = [int(x) for x in read_layers.split(",") if x.strip()]
+        levels = [float(x) for x in label_kls.split(",") if x.strip()]
+    except ValueError:
+        targets = layers = levels = []
+    if not layers or not levels or not all(x > 0 for x in levels):
+        _fail(f"--read-layers {read_layers!r} / --label-kls {label_kls!r}: give comma-separated layer numbers "
+              "such as 1,2,3 and positive label levels such as 0.005,0.01")
+    if not targets or not all(0 < t < 1 for t in targets) or tune_steps < 0 or tune_batch < 1:
+        _fail(f"--skip-targets {skip_targets!r} / --tune-steps {tune_steps} / --tune-batch {tune_batch}: give "
+              "comma-separated shares in (0, 1) such as 0.15,0.2,0.25, a step count >= 0 and a batch >= 1")
     files = [f for p in corpus for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
              if f.is_file() and f.suffix.lower() in {".txt", ".md", ".markdown"}]
     missing = [str(p) for p in corpus if not p.exists()]
@@ -210,20 +233,34 @@ def calibrate_pruning(
               "files or folders (python -m runtime.pruning.calibration_text > calib.txt makes one)")
     if out.suffix != ".safetensors":
         _fail(f"--out {out}: the head is written as safetensors; name it e.g. {out.with_suffix('.safetensors')}")
+    if init_head is not None and (not init_head.is_file() or tune_steps == 0):
+        _fail(f"--init-head {init_head}: give an existing head file, together with --tune-steps > 0 "
+              "(an initial head is only tuned, never relabelled)")
     from runtime.loading import load_model
     from runtime.pruning.calibrate import calibrate
 
     lm, tokenizer = load_model(model)
+    start = None
+    if init_head is not None:
+        from runtime.pruning import find_head
+
+        try:
+            start = find_head(lm, str(init_head))
+        except ValueError as exc:
+            _fail(str(exc))
     text = "\n\n".join(f.read_text(errors="replace") for f in files)
     try:
         head, report = calibrate(lm, tokenizer, text, work_dir, windows=windows, label=label_windows,
-                                 default_threshold=threshold,
+                                 default_threshold=threshold, read_layers=layers, label_kls=levels,
+                                 tune_steps=tune_steps, skip_targets=targets,
+                                 tune_batch=tune_batch, init_head=start,
                                  log=lambda m: err.print(m, highlight=False))
     except ValueError as exc:
         _fail(str(exc))
     command = " ".join(["docfuse", *sys.argv[1:]])
     head.save(out, report["fingerprint"], {"command": command, "chosen": report["chosen"],
-                                           "default_threshold": threshold})
+                                           "default_threshold": threshold,
+                                           "initial_head_command": report["initial_head"]})
     out.with_suffix(".json").write_text(json.dumps({"command": command, **report}, indent=1))
     chosen = next(r for r in report["sweep"] if r["threshold"] == threshold) if any(
         r["threshold"] == threshold for r in report["sweep"]) else report["sweep"][0]

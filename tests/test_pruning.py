@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -28,13 +29,15 @@ def lm():
 
 
 def random_head(model, read_layer: int = 2, seed: int = 0) -> DecisionHead:
-    """An untrained head whose biases make it skip roughly a third of the blocks it may skip."""
+    """An untrained head whose biases make it skip roughly a third of the blocks it may skip, with small random
+    substitutes (what a skipped block adds), so every path that skips also exercises them."""
     torch.manual_seed(seed)
     c = model.config
     head = DecisionHead(c.hidden_size, c.num_hidden_layers, read_layer, width=32)
     with torch.no_grad():
         head.out.weight.mul_(0.05)
         head.out.bias.copy_(torch.randn(2 * c.num_hidden_layers) * 2)
+        head.substitute.copy_(torch.randn_like(head.substitute) * 0.02)
     head.meta = {"fingerprint": model_fingerprint(c), "seed": seed}
     return head.eval()
 
@@ -248,3 +251,127 @@ def test_pdf_qa_rows_carry_the_skipped_fraction_and_safe_mode_per_run(lm, monkey
     row = stage.run(pages).to_pylist()[0]
     assert row["error"] is None
     assert (row["skipped_fraction"] > 0) == skips
+
+
+def test_a_skipped_block_adds_its_substitute_and_format_1_heads_add_zero(lm, tmp_path):
+    """The substitute reaches the residual stream on a decode step; a head file without one loads with zeros."""
+    from safetensors.torch import load_file, save_file
+
+    model, tokenizer = lm
+    ids = ids_of(tokenizer)[:24]
+    head = random_head(model, seed=5)
+    pruner = Pruner.for_model(model, head, threshold=1.1)  # skip every gated block
+
+    def step() -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            pruner.mode = "off"
+            model(input_ids=ids[None, :-1], cache=cache, use_cache=True)
+            pruner.mode = "decode"
+            out = model(input_ids=ids[None, -1:], cache=cache, use_cache=True).logits[0, -1]
+            pruner.mode = "off"
+        return out
+
+    with_substitute = step()
+    saved = head.substitute.detach().clone()
+    with torch.no_grad():
+        head.substitute.zero_()
+    without = step()
+    assert (with_substitute - without).abs().max() > 1e-3
+    with torch.no_grad():
+        head.substitute.copy_(saved)
+    head.save(tmp_path / "h.safetensors", model_fingerprint(model.config), {"command": "test"})
+    tensors = load_file(str(tmp_path / "h.safetensors"))
+    assert torch.allclose(tensors["substitute"], saved)  # kept in float32
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "h.safetensors"), framework="pt") as f:
+        meta = json.loads(f.metadata()["docfuse"])
+    old = {k: v for k, v in tensors.items() if k != "substitute"}
+    save_file(old, str(tmp_path / "old.safetensors"), metadata={"docfuse": json.dumps({**meta, "format": 1})})
+    assert not DecisionHead.load(tmp_path / "old.safetensors").substitute.any()
+    pruner.detach()
+
+
+def test_tune_mode_runs_the_hard_decisions_and_passes_gradients_to_the_head(lm):
+    """Forward: exactly mask mode (hard flags, substitutes). Backward: the head's weights and substitutes get a
+    gradient through the straight-through keep flags."""
+    model, tokenizer = lm
+    ids = ids_of(tokenizer)[:40]
+    head = random_head(model, seed=6)
+    pruner = Pruner.for_model(model, head, threshold=0.15)
+    pruner.dense_prefix = 16
+    with torch.no_grad():
+        pruner.mode = "mask"
+        masked = model(input_ids=ids[None]).logits[0]
+        mask_keep = pruner.mask_keep.clone()
+    pruner.mode = "tune"
+    tuned = model(input_ids=ids[None]).logits[0]
+    assert torch.equal(pruner.mask_keep, mask_keep) and (~mask_keep).any()
+    assert (tuned.detach() - masked).abs().max() < 1e-4
+    tuned[16:].float().logsumexp(-1).sum().backward()
+    pruner.mode = "off"
+    assert head.out.weight.grad is not None and head.out.weight.grad.abs().sum() > 0
+    assert head.substitute.grad[pruner._always:].abs().sum() > 0
+    assert not head.substitute.grad[: pruner._always].any()  # blocks that always run never use theirs
+    head.zero_grad()
+    model.zero_grad()
+    pruner.detach()
+
+
+def test_tuning_raises_the_skip_rate_toward_its_target_and_refuses_bad_targets(lm):
+    from runtime.pruning.tune import measure_substitutes, tune_head
+
+    model, tokenizer = lm
+    ids = ids_of(tokenizer, TEXT * 3)
+    windows = [ids[i: i + 48] for i in (0, 30, 60, 90)]
+    head = random_head(model, seed=7)
+    with torch.no_grad():
+        head.substitute.zero_()
+        head.out.bias.fill_(3.0)  # keeps nearly everything at first
+    with pytest.raises(ValueError, match="target_skip"):
+        tune_head(model, head, windows, target_skip=1.5)
+    history = tune_head(model, head, windows, target_skip=0.6, steps=6, batch=2, lr=0.05, dense_prefix=16,
+                        log=lambda _m: None)
+    assert len(history) == 6 and history[-1]["skipped"] > history[0]["skipped"]
+    assert history[-1]["multiplier"] > 0
+    pruner = Pruner.for_model(model, head)
+    means = measure_substitutes(model, pruner, windows)
+    assert means[pruner._always:].abs().sum() > 0 and not means[: pruner._always].any()
+    assert head.substitute.detach()[pruner._always:].abs().sum() > 0  # started from the means, then tuned
+    assert all(p.requires_grad for p in model.parameters())  # the model's own flags are restored
+    pruner.detach()
+
+
+def test_calibrate_tunes_an_initial_head_without_labels_and_scores_every_candidate(lm, monkeypatch, tmp_path):
+    import runtime.pruning.calibrate as calibration
+
+    model, tokenizer = lm
+    short = calibration.text_windows
+    monkeypatch.setattr(calibration, "text_windows", lambda tok, text, n: short(tok, text, n, tokens=64))
+    monkeypatch.setattr(calibration, "MIN_HISTORY", 16)
+    head = random_head(model, seed=8)
+    head.meta["command"] = "docfuse calibrate-pruning --first-run"
+    chosen, report = calibration.calibrate(model, tokenizer, TEXT * 6, tmp_path / "labels", windows=4,
+                                           thresholds=(0.0, 0.15), tune_steps=2, skip_targets=(0.5,),
+                                           tune_batch=2, init_head=head, log=lambda _m: None)
+    assert not (tmp_path / "labels").exists()  # nothing labelled
+    assert report["label_statistics"] is None and report["initial_head"] == "docfuse calibrate-pruning --first-run"
+    assert [c.get("tuned_for_skip") for c in report["candidates"]] == [None, 0.5]
+    assert report["train_windows"] == 3 and report["validation_windows"] == 1
+    assert report["sweep"][0]["skipped_fraction"] == 0.0 and report["sweep"][0]["top1_agreement"] == 1.0
+    assert chosen is head or report["chosen"]["tuned_for_skip"] == 0.5
+    Pruner.for_model(model, chosen).detach()
+
+
+@pytest.mark.parametrize("row,best,wins", [
+    ({"top1_agreement": 0.96, "skipped_fraction": 0.05}, {"top1_agreement": 0.94, "skipped_fraction": 0.30}, True),
+    ({"top1_agreement": 0.96, "skipped_fraction": 0.05}, {"top1_agreement": 0.97, "skipped_fraction": 0.04}, True),
+    ({"top1_agreement": 0.88, "skipped_fraction": 0.09}, {"top1_agreement": 0.884, "skipped_fraction": 0.04}, True),
+    ({"top1_agreement": 0.86, "skipped_fraction": 0.20}, {"top1_agreement": 0.88, "skipped_fraction": 0.04}, False),
+    ({"top1_agreement": 0.89, "skipped_fraction": 0.01}, {"top1_agreement": 0.88, "skipped_fraction": 0.04}, True),
+])
+def test_candidate_rule_meets_the_target_first_then_skips_more_within_a_tie(row, best, wins):
+    from runtime.pruning.calibrate import _better
+
+    assert _better(row, best, 0.95) is wins

@@ -5,7 +5,10 @@
    in a work folder, so an interrupted run resumes.
 2. ``train_head``: a block "matters" at a token when skipping it alone costs more than ``label_kl`` nats or flips
    the top-1 token; the head learns that probability (binary cross-entropy, windows held out for validation).
-3. ``sweep``: for each threshold, the pruned model is run teacher-forced over held-out windows with every
+3. ``tune`` (optional, ``tune_steps > 0``): the chosen head is tuned end to end for each skip target
+   (``runtime.pruning.tune``: straight-through masks on its own joint decisions) and each tuned head is scored on the
+   validation windows by real hard skipping, beside the label-trained candidates.
+4. ``sweep``: for each threshold, the pruned model is run teacher-forced over held-out windows with every
    position deciding its own skips (``gates.Pruner`` mask mode, equivalent to decoding step by step with a dense
    prefix), against the dense model: top-1 agreement, KL and the skip rate.
 """
@@ -139,8 +142,14 @@ def fidelity(model: Any, pruner: Pruner, windows: Sequence[torch.Tensor], thresh
 def calibrate(model: Any, tokenizer: Any, text: str, work_dir: Path, *, windows: int = 32, label: int | None = None,
               read_layers: Sequence[int] = (1, 2, 3), label_kls: Sequence[float] = (0.005, 0.01, 0.02, 0.05),
               thresholds: Sequence[float] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5), default_threshold: float = 0.15,
-              target_top1: float = 0.95, log: Callable[[str], None] = print) -> tuple[DecisionHead, dict[str, Any]]:
+              target_top1: float = 0.95, tune_steps: int = 0, skip_targets: Sequence[float] = (0.15, 0.2, 0.25),
+              tune_batch: int = 8, init_head: DecisionHead | None = None,
+              log: Callable[[str], None] = print) -> tuple[DecisionHead, dict[str, Any]]:
     """Label, train one head per (read layer, label level), keep the best at the default threshold, sweep it.
+
+    With ``tune_steps``, the best label-trained head is also tuned end to end once per ``skip_targets`` entry on the
+    training windows (``runtime.pruning.tune``); the tuned heads compete with the label-trained ones by the same rule.
+    ``init_head``: skip labelling and training; tune this head (made earlier for the model) instead.
 
     The best head skips the most blocks at ``default_threshold`` while keeping ``target_top1`` teacher-forced top-1
     agreement on the validation windows (a quarter of the windows, never trained on); when none keeps it, the one
@@ -153,43 +162,89 @@ def calibrate(model: Any, tokenizer: Any, text: str, work_dir: Path, *, windows:
                          f"{len(token_windows)}; give a longer --corpus")
     if not set(read_layers) <= set(FEATURE_LAYERS):
         raise ValueError(f"read layers must be among {FEATURE_LAYERS}, got {tuple(read_layers)}")
-    files = collect(model, token_windows, work_dir, log=log)
-    labelled = load_windows(files)
-    n_val = max(1, len(labelled) // 4)
-    train, val = labelled[:-n_val], labelled[-n_val:]
-    val_ids = [w["ids"] for w in val]
+    n_val = max(1, len(token_windows) // 4)
+    val_ids = token_windows[-n_val:]
     candidates = []
     best: tuple[DecisionHead, dict[str, Any]] | None = None
-    for read_layer in read_layers:
-        for label_kl in label_kls:
-            head = train_head(train, read_layer, label_kl)
+    files: list[Path] = []
+    if init_head is not None:  # tune a head made earlier: no labels needed
+        train_ids = token_windows[:-n_val]
+        pruner = Pruner.for_model(model, init_head, default_threshold)
+        row = {"read_layer": init_head.read_layer, "label_kl": init_head.meta.get("chosen", {}).get("label_kl"),
+               "initial_head": True, **{k: v for k, v in fidelity(model, pruner, val_ids, default_threshold, MIN_HISTORY).items()
+                                        if k != "skipped_per_block"}}
+        candidates.append(row)
+        log(f"initial head: top-1 {row['top1_agreement']:.3f}, KL {row['kl']:.4f}, "
+            f"skipped {row['skipped_fraction']:.1%}")
+        best = init_head, row
+    else:
+        files = collect(model, token_windows, work_dir, log=log)
+        labelled = load_windows(files)
+        train = labelled[:-n_val]
+        train_ids = [w["ids"] for w in train]
+        for read_layer in read_layers:
+            for label_kl in label_kls:
+                head = train_head(train, read_layer, label_kl)
+                pruner = Pruner.for_model(model, head, default_threshold)
+                row = {"read_layer": read_layer, "label_kl": label_kl,
+                       **{k: v for k, v in fidelity(model, pruner, val_ids, default_threshold, MIN_HISTORY).items()
+                          if k != "skipped_per_block"}}
+                candidates.append(row)
+                log(f"read layer {read_layer}, label KL {label_kl}: top-1 {row['top1_agreement']:.3f}, "
+                    f"KL {row['kl']:.4f}, skipped {row['skipped_fraction']:.1%}")
+                if best is None or _better(row, best[1], target_top1):
+                    best = head, row
+    tuned_log: dict[str, Any] = {}
+    if tune_steps > 0:
+        import copy
+
+        from runtime.pruning.tune import tune_head
+
+        base, base_row = best
+        for target in skip_targets:
+            head = copy.deepcopy(base)
+            tuned_log[str(target)] = tune_head(model, head, train_ids, threshold=default_threshold,
+                                               target_skip=target, steps=tune_steps, batch=tune_batch,
+                                               dense_prefix=MIN_HISTORY, log=log)
             pruner = Pruner.for_model(model, head, default_threshold)
-            row = {"read_layer": read_layer, "label_kl": label_kl,
-                   **{k: v for k, v in fidelity(model, pruner, val_ids, default_threshold).items()
+            row = {"read_layer": base_row["read_layer"], "label_kl": base_row["label_kl"], "tuned_for_skip": target,
+                   **{k: v for k, v in fidelity(model, pruner, val_ids, default_threshold, MIN_HISTORY).items()
                       if k != "skipped_per_block"}}
             candidates.append(row)
-            log(f"read layer {read_layer}, label KL {label_kl}: top-1 {row['top1_agreement']:.3f}, "
-                f"KL {row['kl']:.4f}, skipped {row['skipped_fraction']:.1%}")
-            if best is None or _better(row, best[1], target_top1):
+            log(f"tuned for {target:.0%} skipped: top-1 {row['top1_agreement']:.3f}, KL {row['kl']:.4f}, "
+                f"skipped {row['skipped_fraction']:.1%}")
+            if _better(row, best[1], target_top1):
                 best = head, row
     head, chosen = best
     pruner = Pruner.for_model(model, head, default_threshold)
-    sweep = [fidelity(model, pruner, val_ids, t) for t in thresholds]
-    report = {"fingerprint": model_fingerprint(model.config), "windows": len(labelled), "spread_over": windows, "train_windows": len(train),
-              "validation_windows": len(val), "window_tokens": WINDOW_TOKENS, "min_history": MIN_HISTORY,
-              "label_statistics": summary(files), "candidates": candidates,
-              "chosen": {"read_layer": chosen["read_layer"], "label_kl": chosen["label_kl"]},
+    sweep = [fidelity(model, pruner, val_ids, t, MIN_HISTORY) for t in thresholds]
+    report = {"fingerprint": model_fingerprint(model.config), "windows": len(token_windows), "spread_over": windows,
+              "train_windows": len(train_ids), "validation_windows": len(val_ids), "window_tokens": WINDOW_TOKENS,
+              "min_history": MIN_HISTORY, "label_statistics": summary(files) if files else None,
+              "initial_head": init_head.meta.get("command") if init_head is not None else None,
+              "candidates": candidates,
+              "chosen": {"read_layer": chosen["read_layer"], "label_kl": chosen["label_kl"],
+                         "tuned_for_skip": chosen.get("tuned_for_skip")},
+              "tuning": {"steps": tune_steps, "batch": tune_batch, "log": tuned_log} if tune_steps else None,
               "default_threshold": default_threshold, "sweep": sweep,
               "head_parameters": head.parameter_count(),
               "model_parameters": sum(p.numel() for p in model.parameters())}
     return head, report
 
 
+#: Top-1 agreements closer than this are a tie (about one standard error over 12 validation windows).
+AGREEMENT_TIE = 0.005
+
+
 def _better(row: dict[str, Any], best: dict[str, Any], target: float) -> bool:
+    """Meeting the agreement target first; then more skipped. Below the target, more agreement, except that
+    within ``AGREEMENT_TIE`` of the best agreement the head that skips more wins."""
     ok, best_ok = row["top1_agreement"] >= target, best["top1_agreement"] >= target
     if ok != best_ok:
         return ok
     if ok:
+        return row["skipped_fraction"] > best["skipped_fraction"]
+    if abs(row["top1_agreement"] - best["top1_agreement"]) <= AGREEMENT_TIE:
         return row["skipped_fraction"] > best["skipped_fraction"]
     return row["top1_agreement"] > best["top1_agreement"]
 

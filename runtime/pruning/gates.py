@@ -5,13 +5,18 @@ hooks the output of that layer. What the gates do depends on the mode:
 
 - ``off`` (prefill, safe mode, threshold 0): every gate calls its block unchanged, so the output is the dense model's.
 - ``decode``: on a one-token forward the hook runs the head once and turns its probabilities into a Python list of
-  keep flags (the step's only host sync); a closed MLP gate returns zeros, so the residual passes through. A closed
-  attention gate still computes the token's K and V and writes them to the cache, skipping only the query, the
-  attention over the cache and the output projection. Later tokens therefore find a full cache, just as if the
-  block had run: the choice costs two small projections and keeps every cache (full, tiered, SnapKV) consistent.
+  keep flags (the step's only host sync); a closed MLP gate returns the head's substitute vector for that block
+  (zeros for a format-1 head, so the residual passes through). A closed attention gate still computes the token's
+  K and V and writes them to the cache, skipping only the query, the attention over the cache and the output
+  projection, and returns its substitute. Later tokens therefore find a full cache, just as if the block had run:
+  the choice costs two small projections and keeps every cache (full, tiered, SnapKV) consistent.
 - ``mask`` (calibration and benchmarks): on a teacher-forced forward the head decides for every position at once
-  and each gate multiplies its block's output by that position's keep flag. Each position's residual stream, and
-  so the K/V it writes, is what step-by-step pruned decoding would give it: one forward measures a whole window.
+  and each gate mixes its block's output and its substitute by that position's keep flag. Each position's residual
+  stream, and so the K/V it writes, is what step-by-step pruned decoding would give it: one forward measures a
+  whole window.
+- ``tune`` (``runtime.pruning.tune``): ``mask`` with gradients. The keep flags are the hard decisions in the forward
+  pass and the head's probabilities in the backward pass (straight-through), so the head learns from what its own
+  joint decisions cost the output, not from one block skipped at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from torch import nn
 from runtime.kv.queries import rotate_half
 from runtime.pruning.head import DecisionHead
 
-Mode = Literal["off", "decode", "mask"]
+Mode = Literal["off", "decode", "mask", "tune"]
 
 
 def store_kv(attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -61,12 +66,12 @@ class AttentionGate(_Gate):
             return self.inner(*args, **kwargs)
         if isinstance(keep, torch.Tensor):
             out, weights = self.inner(*args, **kwargs)
-            return out * keep, weights
+            return self.pruner.mix(self.index, out, keep), weights
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is not None:
             store_kv(self.inner, hidden, kwargs["position_embeddings"], cache)
-        return torch.zeros_like(hidden), None
+        return self.pruner.substitute(self.index, hidden), None
 
 
 class MLPGate(_Gate):
@@ -77,8 +82,8 @@ class MLPGate(_Gate):
         if keep is None or keep is True:
             return self.inner(hidden)
         if isinstance(keep, torch.Tensor):
-            return self.inner(hidden) * keep
-        return torch.zeros_like(hidden)
+            return self.pruner.mix(self.index, self.inner(hidden), keep)
+        return self.pruner.substitute(self.index, hidden)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -97,7 +102,7 @@ class Pruner:
         if head.num_layers != len(layers):
             raise ValueError(f"the head was calibrated for {head.num_layers} layers, the model has {len(layers)}")
         param = next(model.parameters())
-        self.head = head.to(param.device, param.dtype)
+        self.head = head.to(param.device, torch.float32)  # a few hundred kFLOPs a step: full precision is free
         self.threshold = threshold
         self.mode: Mode = "off"
         self.num_blocks = 2 * len(layers)
@@ -147,6 +152,14 @@ class Pruner:
         """Skipped blocks over all blocks of the decode steps counted since ``reset_counts``."""
         return self.skipped / (self.steps * self.num_blocks) if self.steps else 0.0
 
+    def substitute(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """What skipped block ``index`` adds to the residual stream, shaped like ``like``."""
+        return self.head.substitute[index].to(like.dtype).expand_as(like)
+
+    def mix(self, index: int, out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``out`` where ``keep`` is 1, the block's substitute where it is 0 (mask and tune modes)."""
+        return out * keep + self.head.substitute[index].to(out.dtype) * (1 - keep)
+
     def keep_flag(self, index: int) -> bool | torch.Tensor | None:
         if self._keep is not None:
             return self._keep[index]
@@ -162,6 +175,16 @@ class Pruner:
         if self.mode == "off":
             return
         h = output[0] if isinstance(output, tuple) else output
+        if self.mode == "tune":
+            p = self.head(h)
+            forced = torch.zeros_like(p, dtype=torch.bool)
+            forced[..., : self._always] = True
+            forced[:, : self.dense_prefix] = True
+            hard = (p >= self.threshold) | forced
+            straight_through = hard.float() + p - p.detach()  # forward: the hard flags; backward: d/dp
+            self.tune_probs, self.mask_keep = p, hard
+            self._mask = torch.where(forced, torch.ones_like(p), straight_through).to(h.dtype)
+            return
         with torch.no_grad():
             if self.mode == "decode":
                 if h.shape[1] != 1:

@@ -5,6 +5,10 @@ calibration data, because a few residual dimensions are orders of magnitude larg
 probability per block, in ``ablation.blocks_of`` order. Blocks of layers up to ``read_layer`` always run: they
 produce the head's input. A block is skipped when its probability is under the threshold, so the threshold is the
 risk a user accepts that a skipped block mattered.
+
+A skipped block's output is not zero but the head's ``substitute`` vector for that block (one per block, measured
+as the block's mean output and then tuned with the head): many blocks add a large, nearly constant component to the
+residual stream, and leaving it out costs more than the token-dependent rest. A head of format 1 has none (zeros).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 from torch import nn
 
 #: Bumped when the file layout changes; a head of another format is not loaded.
-HEAD_FORMAT = 1
+HEAD_FORMAT = 2
+#: Older formats still read: format 1 has no substitutes (a skipped block adds zero).
+READABLE_FORMATS = (1, 2)
 
 
 def model_fingerprint(config: Any) -> dict[str, Any]:
@@ -30,7 +36,8 @@ def model_fingerprint(config: Any) -> dict[str, Any]:
 
 
 class DecisionHead(nn.Module):
-    """Standardise -> Linear -> GELU -> Linear -> sigmoid: one probability per block (2 per layer)."""
+    """Standardise -> Linear -> GELU -> Linear -> sigmoid: one probability per block (2 per layer), plus what each
+    block adds to the residual stream when it is skipped (``substitute`` [2L, hidden])."""
 
     def __init__(self, hidden_size: int, num_layers: int, read_layer: int, width: int = 256) -> None:
         super().__init__()
@@ -42,6 +49,7 @@ class DecisionHead(nn.Module):
         self.register_buffer("scale", torch.ones(hidden_size))
         self.hidden = nn.Linear(hidden_size, width)
         self.out = nn.Linear(width, 2 * num_layers)
+        self.substitute = nn.Parameter(torch.zeros(2 * num_layers, hidden_size))
         self.meta: dict[str, Any] = {}
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -51,8 +59,8 @@ class DecisionHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` [..., hidden] -> P(block matters) [..., 2L]; blocks the head cannot skip read 1."""
         p = torch.sigmoid(self.logits(h))
-        p[..., : 2 * (self.read_layer + 1)] = 1.0
-        return p
+        always = torch.arange(p.shape[-1], device=p.device) < 2 * (self.read_layer + 1)
+        return torch.where(always, torch.ones_like(p), p)  # not in place: tuning backpropagates through it
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -69,6 +77,7 @@ class DecisionHead(nn.Module):
                    for k, v in self.state_dict().items()}
         tensors["mean"] = self.mean.float().contiguous()  # the standardisation keeps full precision
         tensors["scale"] = self.scale.float().contiguous()
+        tensors["substitute"] = self.substitute.detach().float().contiguous()  # residual outliers reach 1e3
         save_file(tensors, str(path), metadata={"docfuse": json.dumps(header)})
 
     @classmethod
@@ -78,11 +87,12 @@ class DecisionHead(nn.Module):
 
         with safe_open(str(path), framework="pt") as f:
             header = json.loads((f.metadata() or {}).get("docfuse", "{}"))
-            if header.get("format") != HEAD_FORMAT:
-                raise ValueError(f"{path} is not a docfuse pruning head of format {HEAD_FORMAT} "
+            if header.get("format") not in READABLE_FORMATS:
+                raise ValueError(f"{path} is not a docfuse pruning head of format {READABLE_FORMATS} "
                                  f"(found {header.get('format')!r}); re-run docfuse calibrate-pruning")
             state = {k: f.get_tensor(k).float() for k in f.keys()}
         head = cls(state["mean"].numel(), header["num_layers"], header["read_layer"], header["width"])
+        state.setdefault("substitute", torch.zeros_like(head.substitute))
         head.load_state_dict(state)
         head.meta = header
         return head.eval()
