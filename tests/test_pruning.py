@@ -320,6 +320,8 @@ def test_tune_mode_runs_the_hard_decisions_and_passes_gradients_to_the_head(lm):
 
 
 def test_tuning_raises_the_skip_rate_toward_its_target_and_refuses_bad_targets(lm):
+    import copy
+
     from runtime.pruning.tune import measure_substitutes, tune_head
 
     model, tokenizer = lm
@@ -331,9 +333,12 @@ def test_tuning_raises_the_skip_rate_toward_its_target_and_refuses_bad_targets(l
         head.out.bias.fill_(3.0)  # keeps nearly everything at first
     with pytest.raises(ValueError, match="target_skip"):
         tune_head(model, head, windows, target_skip=1.5)
+    Pruner.for_model(model, copy.deepcopy(head))  # an untuned twin (same metadata) already drives the model
+    before = head.out.weight.detach().clone()
     history = tune_head(model, head, windows, target_skip=0.6, steps=6, batch=2, lr=0.05, dense_prefix=16,
                         log=lambda _m: None)
     assert len(history) == 6 and history[-1]["skipped"] > history[0]["skipped"]
+    assert not torch.equal(before, head.out.weight.detach().cpu())  # the head handed in is the one tuned
     assert history[-1]["multiplier"] > 0
     pruner = Pruner.for_model(model, head)
     means = measure_substitutes(model, pruner, windows)
@@ -375,3 +380,19 @@ def test_candidate_rule_meets_the_target_first_then_skips_more_within_a_tie(row,
     from runtime.pruning.calibrate import _better
 
     assert _better(row, best, 0.95) is wins
+
+
+def test_a_pruner_is_reused_for_an_equal_head_but_not_for_a_changed_copy(lm, tmp_path):
+    import copy
+
+    model, _ = lm
+    head = random_head(model, seed=9)
+    head.save(tmp_path / "h.safetensors", model_fingerprint(model.config), {"command": "test"})
+    first = Pruner.for_model(model, DecisionHead.load(tmp_path / "h.safetensors"))
+    assert Pruner.for_model(model, DecisionHead.load(tmp_path / "h.safetensors")) is first  # same file again
+    tuned = copy.deepcopy(first.head)
+    with torch.no_grad():
+        tuned.out.bias.add_(1.0)
+    second = Pruner.for_model(model, tuned)
+    assert second is not first and second.head is tuned
+    second.detach()

@@ -94,6 +94,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _same_head(a: DecisionHead, b: DecisionHead) -> bool:
+    if not a.meta or a.meta != b.meta or a.read_layer != b.read_layer:
+        return False
+    other = b.state_dict()
+    return all(torch.equal(v, other[k].to(v.device, v.dtype)) for k, v in a.state_dict().items())
+
+
 class Pruner:
     """The gates of one model and the decision head that drives them; see the module docstring for the modes."""
 
@@ -121,11 +128,14 @@ class Pruner:
                        layers[head.read_layer].register_forward_hook(self._decide)]
 
     @classmethod
-    def for_model(cls, model: nn.Module, head: DecisionHead, threshold: float = 0.15) -> Pruner:
-        """The model's pruner for ``head``: reused when it already has one for the same head, else a new one
-        (the old one's hooks removed, its gates taken over)."""
+    def for_model(cls, model: nn.Module, head: DecisionHead, threshold: float = 0.15, *,
+                  exact: bool = False) -> Pruner:
+        """The model's pruner for ``head``: reused when it already drives this head object, or an equal one (the same
+        file loaded again: same metadata and weights), else a new one (the old one's hooks removed, its gates taken
+        over). A tuned copy of a head keeps the metadata but not the weights, so it gets a pruner of its own.
+        ``exact``: reuse only a pruner that drives this very object (tuning changes the object it is given)."""
         old = model.__dict__.get("_docfuse_pruner")
-        if old is not None and old.head.meta == head.meta and old.head.read_layer == head.read_layer and head.meta:
+        if old is not None and (old.head is head or (not exact and _same_head(old.head, head))):
             old.threshold = threshold
             return old
         if old is not None:

@@ -65,7 +65,7 @@ def tune_head(model: Any, head: DecisionHead, windows: Sequence[torch.Tensor], *
         raise ValueError(f"target_skip is a share of blocks in (0, 1), got {target_skip}")
     if len({len(w) for w in windows}) != 1 or len(windows[0]) <= dense_prefix:
         raise ValueError(f"tuning needs windows of one length, longer than dense_prefix={dense_prefix}")
-    pruner = Pruner.for_model(model, head, threshold)
+    pruner = Pruner.for_model(model, head, threshold, exact=True)
     if not head.substitute.detach().any():
         head.substitute.data.copy_(measure_substitutes(model, pruner, windows).to(head.substitute.device))
     frozen = [p for p in model.parameters() if p.requires_grad]
