@@ -49,13 +49,16 @@ def decoder_fingerprint(config: Any) -> str:
 
 
 def save(path: str | Path, vit: Any, fusion: Fusion, vision: VisionSpec, decoder: str,
-         dtype: torch.dtype = torch.float16, **extra: str) -> Path:
-    """Write ``vision.*`` and ``fusion.*`` tensors (``dtype``: fp16 keeps it small) with the metadata that
-    rebuilds both; loading casts back to float32."""
+         dtype: torch.dtype = torch.float16, reader: Any = None, **extra: str) -> Path:
+    """Write ``vision.*`` and ``fusion.*`` tensors (``dtype``: fp16 keeps it small), and ``reader.*`` when a
+    word reader (fusion.reader) is given, with the metadata that rebuilds them; loading casts back to float32."""
     from safetensors.torch import save_file
 
     tensors = {f"vision.{k}": v.detach().to(dtype).cpu().contiguous() for k, v in vit.state_dict().items()}
     tensors |= {f"fusion.{k}": v.detach().to(dtype).cpu().contiguous() for k, v in fusion.state_dict().items()}
+    if reader is not None:
+        tensors |= {f"reader.{k}": v.detach().to(dtype).cpu().contiguous() for k, v in reader.state_dict().items()}
+        extra["reader_config"] = json.dumps(reader.config.to_dict())
     meta = {"format": "docfuse-fusion-1", "fusion_config": json.dumps(fusion.config.to_dict()),
             "vision_model": vision.model, "vision_args": json.dumps(vision.args),
             "image_size": f"{vision.image_size[0]}x{vision.image_size[1]}", "dpi": str(vision.dpi),
@@ -105,6 +108,22 @@ def load(path: str | Path, decoder: str | None = None, device: str = "cpu") -> t
     fusion = Fusion(FusionConfig(**json.loads(meta["fusion_config"]))).to(device)
     fusion.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("fusion.")}, strict=True)
     return vit.eval(), fusion.eval(), spec, meta
+
+
+def load_reader(path: str | Path, device: str = "cpu") -> Any:
+    """The checkpoint's word reader (fusion.reader.WordReader, eval mode), or None when it has none."""
+    from safetensors import safe_open
+
+    from fusion.reader import ReaderConfig, WordReader
+
+    meta = read_meta(path)
+    if "reader_config" not in meta:
+        return None
+    reader = WordReader(ReaderConfig(**json.loads(meta["reader_config"])))
+    with safe_open(str(path), framework="pt", device=device) as fh:
+        state = {k[7:]: fh.get_tensor(k).float() for k in fh.keys() if k.startswith("reader.")}
+    reader.load_state_dict(state, strict=True)
+    return reader.to(device).eval()
 
 
 def untrained(vision: VisionSpec, hidden: int, seed: int = 0, **sizes: int) -> tuple[Any, Fusion]:

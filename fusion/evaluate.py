@@ -26,21 +26,28 @@ def text_only(fusion: Fusion) -> Fusion:
         off.cross.attn_gate.zero_()
         off.cross.mlp_gate.zero_()
         off.visual_gate.zero_()
+        if off.read_gate is not None:
+            off.read_gate.zero_()
     return off.eval()
 
 
 @torch.no_grad()
 def masked_recovery(decoder: Any, vit: Any, fusion: Fusion, pages: Sequence[Prepared], mask_rate: float = 0.15,
-                    seed: int = 1234) -> dict:
-    """``{"masked_recovery_fused", "masked_recovery_text_only", "pages", "masked_tokens", ...}`` over ``pages``."""
+                    seed: int = 1234, reader: Any = None, tokenizer: Any = None) -> dict:
+    """``{"masked_recovery_fused", "masked_recovery_text_only", "pages", "masked_tokens", ...}`` over ``pages``.
+
+    With a word ``reader`` (and the decoder's ``tokenizer``) the fused stream also carries the read path;
+    ``read_top1`` says how often the reader alone named the hidden token, and ``*_without_reads`` give the same
+    fusion without its read path (what a stage runs on a complete text layer, where nothing is hidden)."""
     device = next(decoder.parameters()).device
     embed = decoder.get_input_embeddings()
     rows, cols = vit.patch_embed.grid_size
     patch_boxes = patch_grid_boxes(rows, cols).to(device)
     plain = text_only(fusion)
-    hits = {"fused": 0, "text_only": 0}
-    visible = {"fused": 0, "text_only": 0}
-    n_hidden = n_visible = n_pages = 0
+    hits = {"fused": 0, "text_only": 0, "without_reads": 0}
+    visible = {"fused": 0, "text_only": 0, "without_reads": 0}
+    n_hidden = n_visible = n_pages = read_right = 0
+    use_reads = reader is not None and tokenizer is not None and fusion.read_steer is not None
     for i, page in enumerate(p for p in pages if not p.tokens.caption):
         gen = torch.Generator().manual_seed(seed + i)
         mask = choose_mask(page.tokens.boxes, mask_rate, gen)
@@ -48,8 +55,17 @@ def masked_recovery(decoder: Any, vit: Any, fusion: Fusion, pages: Sequence[Prep
             continue
         feats = encode(vit, page.pixels.unsqueeze(0))
         ink = page.ink.to(device).unsqueeze(0)
-        for name, f in (("fused", fusion), ("text_only", plain)):
-            out = batch_streams(f, embed, [page.tokens], feats, patch_boxes, ink, [mask.to(device)])[0]
+        reads = None
+        if use_reads:
+            from fusion.reader import read_tokens
+
+            read = read_tokens(reader, tokenizer, page.pixels, page.tokens.ids, page.tokens.boxes, mask)
+            read_right += int((read[mask] == page.tokens.ids[mask]).sum())
+            reads = [read.to(device)]
+        runs = [("fused", fusion, reads), ("text_only", plain, None)] + \
+            ([("without_reads", fusion, None)] if use_reads else [])
+        for name, f, r in runs:
+            out = batch_streams(f, embed, [page.tokens], feats, patch_boxes, ink, [mask.to(device)], reads=r)[0]
             logits = decoder(inputs_embeds=out.stream.embeds.unsqueeze(0).to(embed.weight.dtype)).logits[0]
             right = logits[out.rows].argmax(-1) == out.targets
             hits[name] += int(right[out.hidden].sum())
@@ -66,4 +82,6 @@ def masked_recovery(decoder: Any, vit: Any, fusion: Fusion, pages: Sequence[Prep
         "pages": n_pages,
         "masked_tokens": n_hidden,
         "gates": fusion.gates(),
-    }
+    } | ({"read_top1": read_right / max(n_hidden, 1),
+          "masked_recovery_without_reads": hits["without_reads"] / max(n_hidden, 1),
+          "visible_top1_without_reads": visible["without_reads"] / max(n_visible, 1)} if use_reads else {})

@@ -36,6 +36,7 @@ class FusionConfig:
     pool: int = 4                # visual-token window side, in patches
     max_visual_tokens: int = 64  # per page; more windows are pooled coarser
     min_ink: float = 0.01        # share of non-white pixels for a window to count as content
+    read_hidden: int = 0         # width of the read-steering MLP (0: no read path; see Fusion.steer_reads)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,14 +68,22 @@ class Fusion(nn.Module):
         self.visual_marker = nn.Parameter(torch.randn(config.hidden) * 0.1)
         #: stands in for a hidden token in masked-token training and evaluation
         self.mask_embedding = nn.Parameter(torch.randn(config.hidden) * 0.1)
+        #: the read path: the embedding of the token the word reader read for a hidden slot, mapped so that the
+        #: frozen decoder, at the row before the slot, predicts it (fusion.reader, Fusion.steer_reads)
+        self.read_steer = nn.Sequential(nn.Linear(config.hidden, config.read_hidden), nn.GELU(),
+                                        nn.Linear(config.read_hidden, config.hidden)) if config.read_hidden else None
+        self.read_gate = nn.Parameter(torch.zeros(())) if config.read_hidden else None
 
     @property
     def is_identity(self) -> bool:
-        return self.cross.is_identity and bool(self.visual_gate.detach() == 0)
+        return (self.cross.is_identity and bool(self.visual_gate.detach() == 0)
+                and (self.read_gate is None or bool(self.read_gate.detach() == 0)))
 
     def gates(self) -> dict[str, float]:
         """tanh of each gate: how much of each branch enters the stream."""
         gates = {"attention": self.cross.attn_gate, "mlp": self.cross.mlp_gate, "visual_tokens": self.visual_gate}
+        if self.read_gate is not None:
+            gates["read"] = self.read_gate
         return {name: float(torch.tanh(g.detach())) for name, g in gates.items()}
 
     def project(self, patch_feats: torch.Tensor) -> torch.Tensor:
@@ -86,6 +95,19 @@ class Fusion(nn.Module):
         """Text rows of B pages after gated cross-attention: ``embeds`` [B, T, H], ``boxes`` [B, T, 4],
         ``patches`` [B, P, H] projected, ``patch_boxes`` [P, 4]; returns [B, T, H]."""
         return self.cross(embeds, boxes, following(boxes), patches, patch_boxes, self.coords)
+
+    def steer_reads(self, fused: torch.Tensor, read_embeds: torch.Tensor, has_read: torch.Tensor) -> torch.Tensor:
+        """``fused`` [B, T, H] plus ``tanh(read_gate) * read_steer(read_embeds)`` at the rows ``has_read`` [B, T]
+        marks: those before a hidden token the reader read (``read_embeds``: the read token's decoder embedding).
+
+        The decoder predicts token j at row j - 1, and adding token j's own embedding there makes it read row j - 1
+        as token j (bench/diag_fusion_oracle.py); the learnt steering map instead makes it predict token j.
+        Other rows, and every row with the gate at 0, come back bit for bit."""
+        if self.read_steer is None or not bool(has_read.any()) or (not self.training and self.read_gate.detach() == 0):
+            return fused
+        dtype = self.read_steer[0].weight.dtype
+        delta = torch.tanh(self.read_gate) * self.read_steer(read_embeds.to(dtype))
+        return torch.where(has_read.unsqueeze(-1), fused + delta.to(fused.dtype), fused)
 
     def fuse_page(self, embeds: torch.Tensor, boxes: torch.Tensor, patch_feats: torch.Tensor,
                   patch_boxes: torch.Tensor, patch_ink: torch.Tensor | None = None,

@@ -48,9 +48,10 @@ class PageTargets:
 
 def batch_streams(fusion: Fusion, embed: torch.nn.Embedding, pages: list[PageTensors], feats: torch.Tensor,
                   patch_boxes: torch.Tensor, inks: torch.Tensor, masks: list[torch.Tensor],
-                  visual_tokens: bool = True) -> list[PageTargets]:
+                  visual_tokens: bool = True, reads: list[torch.Tensor] | None = None) -> list[PageTargets]:
     """Fused streams of a batch of pages (``feats`` [B, P, D], ``inks`` [B, P]); ``masks[b]`` [T_b] marks hidden
-    tokens. Text pages go through the cross-attention together; caption pages become visual tokens + text."""
+    tokens. Text pages go through the cross-attention together; caption pages become visual tokens + text.
+    ``reads[b]`` [T_b]: the token the word reader read at each hidden position (-1: none), for the read path."""
     device = feats.device
     patches = fusion.project(feats)
     text = [b for b, p in enumerate(pages) if not p.caption]
@@ -58,6 +59,8 @@ def batch_streams(fusion: Fusion, embed: torch.nn.Embedding, pages: list[PageTen
     if text:
         ids, boxes, hidden, x = text_batch(fusion, embed, [pages[b] for b in text], [masks[b] for b in text], device)
         fused = fusion.fuse_text(x, boxes, patches[text], patch_boxes)
+        if reads is not None and fusion.read_steer is not None:
+            fused = with_reads(fusion, embed, fused, [reads[b] for b in text])
         for i, b in enumerate(text):
             n = pages[b].ids.shape[0]
             stream = fusion.with_visual_tokens(fused[i, :n], boxes[i, :n], patches[b], patch_boxes,
@@ -68,6 +71,17 @@ def batch_streams(fusion: Fusion, embed: torch.nn.Embedding, pages: list[PageTen
         if page.caption:
             out[b] = caption_stream(fusion, embed, page, patches[b], patch_boxes, inks[b])
     return [out[b] for b in range(len(pages))]
+
+
+def with_reads(fusion: Fusion, embed: torch.nn.Embedding, fused: torch.Tensor,
+               reads: list[torch.Tensor]) -> torch.Tensor:
+    """``fused`` [B, T, H] with the read path at every row whose next token was read (``reads[b]`` [T_b])."""
+    b, t = fused.shape[:2]
+    nxt = torch.full((b, t), -1, dtype=torch.long, device=fused.device)
+    for i, r in enumerate(reads):
+        n = min(r.shape[0], t)
+        nxt[i, :n - 1] = r[1:n].to(fused.device)
+    return fusion.steer_reads(fused, embed(nxt.clamp(min=0)), nxt >= 0)
 
 
 def text_batch(fusion: Fusion, embed: torch.nn.Embedding, pages: list[PageTensors], masks: list[torch.Tensor],

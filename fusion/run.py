@@ -25,9 +25,11 @@ from fusion.checkpoint import VisionSpec
 from fusion.data import PageSample, read_pdf
 from fusion.evaluate import masked_recovery
 from fusion.prepare import Prepared, prepare
+from fusion.read_train import ReaderTrainConfig, SteerTrainConfig, page_words, train_reader, train_steer, with_read_path
 from fusion.train import DEFAULT_VISION, TrainConfig, train
 
 MAX_TOKENS = 512  # tokens of a page used in training and evaluation (a page of prose is ~400-700)
+SHEET_TOKENS = 8192  # a word sheet's words all train the reader (random strings take many tokens)
 
 
 def pdf_files(paths: Sequence[str | Path]) -> list[Path]:
@@ -56,8 +58,8 @@ def read_many(paths: Sequence[Path], vision: VisionSpec, truths: dict[str, list]
         return [s for pages in pool.map(_read, jobs, chunksize=4) for s in pages]
 
 
-def prepared(samples: Sequence[PageSample], tokenizer: Any) -> list[Prepared]:
-    return [p for s in samples if (p := prepare(s, tokenizer, MAX_TOKENS)) is not None]
+def prepared(samples: Sequence[PageSample], tokenizer: Any, max_tokens: int = MAX_TOKENS) -> list[Prepared]:
+    return [p for s in samples if (p := prepare(s, tokenizer, max_tokens)) is not None]
 
 
 def synthetic(n_docs: int, seed: int, out_dir: Path, workers: int = 1) -> tuple[list[Path], dict[str, list]]:
@@ -105,23 +107,25 @@ def evaluate_pdfs(decoder: Any, tokenizer: Any, ckpt: Path, pdfs: Sequence[str |
     """``eval-fusion``'s JSON: masked recovery with the fusion and text-only on the pages of ``pdfs``."""
     device = str(next(decoder.parameters()).device)
     vit, fusion, vision, _ = checkpoint.load(ckpt, checkpoint.decoder_fingerprint(decoder.config), device=device)
+    reader = checkpoint.load_reader(ckpt, device=device)
     pages = prepared(read_many(pdf_files(pdfs), vision), tokenizer)
     if not pages:
         raise ValueError(f"none of {list(map(str, pdfs))} has a page with a text layer to mask; "
                          "eval-fusion measures masked-token recovery on text pages")
-    return masked_recovery(decoder, vit, fusion, pages, mask_rate=mask_rate)
+    return masked_recovery(decoder, vit, fusion, pages, mask_rate=mask_rate, reader=reader, tokenizer=tokenizer)
 
 
 def pack(src: Path, out: Path) -> Path:
     """Re-save a checkpoint in fp16 with its training report's held-out figures in the metadata (what data/ ships)."""
     vit, fusion, vision, meta = checkpoint.load(src)
+    reader = checkpoint.load_reader(src)
     report = src.with_suffix(".json")
     held = json.loads(report.read_text())["held_out"] if report.is_file() else {}
     # save() writes these itself; the rest (command, config, ...) is carried over
     extra = {k: v for k, v in meta.items() if k not in ("format", "fusion_config", "vision_model", "vision_args",
-                                                          "image_size", "dpi", "decoder")}
+                                                          "image_size", "dpi", "decoder", "reader_config")}
     extra["held_out"] = json.dumps({k: v for k, v in held.items() if k != "gates"})
-    return checkpoint.save(out, vit, fusion, vision, meta["decoder"], **extra)
+    return checkpoint.save(out, vit, fusion, vision, meta["decoder"], reader=reader, **extra)
 
 
 def load_decoder(name: str, device: str) -> tuple[Any, Any]:
@@ -136,9 +140,94 @@ def load_decoder(name: str, device: str) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
+def train_word_reader(tokenizer: Any, *, init: Path, out: Path, corpus: Sequence[str | Path] = (),
+                      eval_corpus: Sequence[str | Path] = (), sheets: int = 0, synthetic_docs: int = 0,
+                      config: ReaderTrainConfig = ReaderTrainConfig(), workers: int = 1, command: str = "",
+                      log: Callable[[str], None] = print) -> dict:
+    """Train only the word reader (no decoder: its tokenizer finds the words) on word sheets, synthetic and
+    ``corpus`` pages; write ``init``'s fusion with the reader inside to ``out`` (for ``read --reader-from``)."""
+    started = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vit, fusion, vision, meta = checkpoint.load(init, device=device)
+    held_out = {p.resolve() for p in pdf_files(eval_corpus)}
+    with tempfile.TemporaryDirectory() as tmp:
+        docs, truths = synthetic(synthetic_docs, config.seed, Path(tmp) / "docs", workers) if synthetic_docs \
+            else ([], {})
+        docs = [p for p in pdf_files(corpus) + docs if p.resolve() not in held_out]
+        pages = prepared(read_many(docs, vision, truths, workers), tokenizer)
+        if sheets:
+            from fusion.synth_words import make_sheets
+
+            made = make_sheets(Path(tmp) / "sheets", sheets, seed=config.seed, workers=workers)
+            pages += prepared(read_many(made, vision, None, workers), tokenizer, SHEET_TOKENS)
+    eval_pages = prepared(read_many(sorted(held_out), vision, None, workers), tokenizer)
+    words = page_words(pages, tokenizer)
+    log(f"{len(pages)} training pages ({sum(len(w.texts) for w in words)} words), {len(eval_pages)} held-out "
+        f"pages; read in {time.perf_counter() - started:.0f} s")
+    reader, history = train_reader(words, config, device, log=log, eval_words=page_words(eval_pages, tokenizer))
+    extra = {k: v for k, v in meta.items() if k not in ("format", "fusion_config", "vision_model", "vision_args",
+                                                          "image_size", "dpi", "decoder", "reader_config")}
+    checkpoint.save(out, vit, fusion, vision, meta["decoder"], dtype=torch.float32, reader=reader,
+                    reader_command=command, **extra)
+    summary = {"checkpoint": str(out), "pages": len(pages), "eval_pages": len(eval_pages),
+               "held_out": history[-1].get("held_out", {}), "history": history,
+               "seconds": round(time.perf_counter() - started, 1), "command": command}
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def read_path(decoder: Any, tokenizer: Any, *, init: Path, out: Path, corpus: Sequence[str | Path] = (),
+              eval_corpus: Sequence[str | Path] = (), sheets: int = 0, synthetic_docs: int = 0,
+              reader_config: ReaderTrainConfig = ReaderTrainConfig(), steer_config: SteerTrainConfig = SteerTrainConfig(),
+              read_hidden: int = 2048, reader_from: Path | None = None, workers: int = 1, command: str = "",
+              log: Callable[[str], None] = print) -> dict:
+    """Give the fusion in ``init`` a read path: train a word reader (on word sheets, synthetic and ``corpus``
+    pages; or take the one in ``reader_from``), then its steering map through the frozen decoder (synthetic and
+    ``corpus`` pages), report on ``eval_corpus`` and write ``out`` with the reader inside."""
+    started = time.perf_counter()
+    device = str(next(decoder.parameters()).device)
+    vit, fusion, vision, meta = checkpoint.load(init, checkpoint.decoder_fingerprint(decoder.config), device=device)
+    held_out = {p.resolve() for p in pdf_files(eval_corpus)}
+    with tempfile.TemporaryDirectory() as tmp:
+        docs, truths = synthetic(synthetic_docs, steer_config.seed, Path(tmp) / "docs", workers) if synthetic_docs \
+            else ([], {})
+        docs = [p for p in pdf_files(corpus) + docs if p.resolve() not in held_out]
+        pages = prepared(read_many(docs, vision, truths, workers), tokenizer)
+        sheet_pages = []
+        if sheets and reader_from is None:
+            from fusion.synth_words import make_sheets
+
+            made = make_sheets(Path(tmp) / "sheets", sheets, seed=reader_config.seed, workers=workers)
+            sheet_pages = prepared(read_many(made, vision, None, workers), tokenizer, SHEET_TOKENS)
+    eval_pages = prepared(read_many(sorted(held_out), vision, None, workers), tokenizer)
+    log(f"{len(pages)} document pages, {len(sheet_pages)} word-sheet pages, {len(eval_pages)} held-out pages; "
+        f"read in {time.perf_counter() - started:.0f} s")
+    history: dict[str, Any] = {}
+    if reader_from is not None:
+        reader = checkpoint.load_reader(reader_from, device=device)
+        if reader is None:
+            raise ValueError(f"{str(reader_from)!r} holds no word reader; train one (leave out --reader-from)")
+    else:
+        words = page_words(sheet_pages + pages, tokenizer)
+        reader, history["reader"] = train_reader(words, reader_config, device, log=log,
+                                                 eval_words=page_words(eval_pages, tokenizer))
+    steered = with_read_path(fusion, read_hidden, steer_config.seed)
+    steered, history["steer"] = train_steer(decoder, tokenizer, vit, steered, reader, pages, steer_config, log=log)
+    report = masked_recovery(decoder, vit, steered, eval_pages, reader=reader, tokenizer=tokenizer) if eval_pages else {}
+    extra = {k: v for k, v in meta.items() if k not in ("format", "fusion_config", "vision_model", "vision_args",
+                                                          "image_size", "dpi", "decoder", "reader_config")}
+    extra |= {"read_command": command, "held_out": json.dumps({k: v for k, v in report.items() if k != "gates"})}
+    checkpoint.save(out, vit, steered, vision, meta["decoder"], dtype=torch.float32, reader=reader, **extra)
+    summary = {"checkpoint": str(out), "init": str(init), "pages": len(pages), "sheet_pages": len(sheet_pages),
+               "eval_pages": len(eval_pages), "held_out": report, "history": history,
+               "seconds": round(time.perf_counter() - started, 1), "command": command}
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fusion.run")
-    ap.add_argument("verb", choices=["train", "pack"])
+    ap.add_argument("verb", choices=["train", "pack", "read", "reader"])
     ap.add_argument("src", nargs="?", type=Path, help="pack: the checkpoint to re-save")
     ap.add_argument("--model", help="decoder: a Hugging Face folder or a .gguf file")
     ap.add_argument("--corpus", nargs="*", default=[])
@@ -154,18 +243,56 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--read-share", type=float, default=0.0,
                     help="share of the budget for the reading phase first (no decoder, no gate); 0 = none")
     ap.add_argument("--read-batch", type=int, default=32, help="pages per reading-phase step")
+    ap.add_argument("--init", type=Path, help="read: the fusion checkpoint that gets a read path")
+    ap.add_argument("--sheets", type=int, default=0, help="read: word-sheet PDFs (2 pages each) for the reader")
+    ap.add_argument("--reader-minutes", type=float, default=None)
+    ap.add_argument("--reader-steps", type=int, default=3000)
+    ap.add_argument("--reader-batch", type=int, default=256, help="words per reader step")
+    ap.add_argument("--reader-from", type=Path, help="read: take the word reader from this checkpoint")
+    ap.add_argument("--steer-minutes", type=float, default=None)
+    ap.add_argument("--steer-steps", type=int, default=1000)
+    ap.add_argument("--read-hidden", type=int, default=2048)
+    ap.add_argument("--tokenizer", help="reader: the decoder's tokenizer folder (no weights needed)")
     args = ap.parse_args(argv)
     if args.verb == "pack":
         print(pack(args.src, args.out))
         return
+    if args.verb == "reader":  # the word reader alone: no decoder, only its tokenizer (to find the words)
+        from transformers import AutoTokenizer
+
+        if args.init is None or args.tokenizer is None:
+            raise SystemExit("reader needs --init CHECKPOINT and --tokenizer DIR")
+        summary = train_word_reader(
+            AutoTokenizer.from_pretrained(args.tokenizer), init=args.init, out=args.out, corpus=args.corpus,
+            eval_corpus=args.eval_corpus, sheets=args.sheets, synthetic_docs=args.synthetic, workers=args.workers,
+            config=ReaderTrainConfig(steps=args.reader_steps, batch_words=args.reader_batch, seed=args.seed,
+                                     pages_per_step=max(8, args.reader_batch // 64), time_budget_s=(
+                args.reader_minutes * 60 if args.reader_minutes else None)),
+            command="python -m fusion.run " + " ".join(sys.argv[1:] if argv is None else argv))
+        print(json.dumps(summary["held_out"], indent=1))
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     decoder, tokenizer = load_decoder(args.model, device)
+    command = "python -m fusion.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.verb == "read":
+        if args.init is None:
+            raise SystemExit("read needs --init CHECKPOINT: the fusion that gets a read path")
+        summary = read_path(
+            decoder, tokenizer, init=args.init, out=args.out, corpus=args.corpus, eval_corpus=args.eval_corpus,
+            sheets=args.sheets, synthetic_docs=args.synthetic, read_hidden=args.read_hidden,
+            reader_config=ReaderTrainConfig(steps=args.reader_steps, seed=args.seed, time_budget_s=(
+                args.reader_minutes * 60 if args.reader_minutes else None)),
+            steer_config=SteerTrainConfig(steps=args.steer_steps, batch_pages=args.batch, seed=args.seed,
+                                          time_budget_s=args.steer_minutes * 60 if args.steer_minutes else None),
+            reader_from=args.reader_from, workers=args.workers, command=command)
+        print(json.dumps(summary["held_out"], indent=1))
+        return
     config = TrainConfig(steps=args.steps, batch_pages=args.batch, seed=args.seed, mlp_hidden=args.mlp_hidden,
                          read_share=args.read_share, read_batch_pages=args.read_batch,
                          time_budget_s=args.minutes * 60 if args.minutes else None)
     summary = train_from_pdfs(decoder, tokenizer, corpus=args.corpus, eval_corpus=args.eval_corpus, out=args.out,
                               config=config, synthetic_docs=args.synthetic, workers=args.workers,
-                              command="python -m fusion.run " + " ".join(sys.argv[1:] if argv is None else argv))
+                              command=command)
     print(json.dumps(summary["held_out"], indent=1))
 
 

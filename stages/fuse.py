@@ -207,13 +207,19 @@ def fused_rows(column: pa.ChunkedArray | pa.Array, i: int) -> np.ndarray:
 
 
 def _verdict(meta: dict[str, str]) -> str | None:
-    """Why a checkpoint should not be used by default: it lost to text-only on its own held-out pages."""
+    """Why a checkpoint should not be used by default: it lost to text-only on its own held-out pages.
+
+    A stage's text has no hidden tokens, so a checkpoint's read path (fusion.reader) never acts here: what is
+    judged is the fusion without it (``masked_recovery_without_reads``) where the checkpoint reports it."""
     held = json.loads(meta.get("held_out", "{}") or "{}")
-    fused, plain = held.get("masked_recovery_fused"), held.get("masked_recovery_text_only")
+    fused = held.get("masked_recovery_without_reads", held.get("masked_recovery_fused"))
+    plain = held.get("masked_recovery_text_only")
     if fused is None or plain is None:
         return None
     if fused < plain:
-        return (f"text_only: the checkpoint's held-out masked recovery {fused:.3f} is below text-only's {plain:.3f}")
+        which = "without its read path " if "masked_recovery_without_reads" in held else ""
+        return (f"text_only: the checkpoint's held-out masked recovery {which}{fused:.3f} is below text-only's "
+                f"{plain:.3f}")
     return None
 
 

@@ -112,6 +112,21 @@ def test_auto_refuses_a_checkpoint_that_lost_to_text_only(tmp_path, model, caplo
     assert fused_pages(out) == {}  # decode then takes the plain text path
 
 
+def test_auto_judges_a_read_path_checkpoint_without_its_read_path(tmp_path, model):
+    """A stage's text hides nothing, so a read path never acts there: the figure that counts is the fusion's
+    without it, however far the read path lifts masked recovery."""
+    held = {"masked_recovery_fused": 0.7, "masked_recovery_text_only": 0.3, "masked_recovery_without_reads": 0.29}
+    ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5, held_out=held)
+    text, patches = upstream(SAMPLE, ckpt)
+    out = FusionGate(checkpoint=str(ckpt), apply="auto").run(text, patches)
+    assert all(w.startswith("text_only: the checkpoint's held-out masked recovery without its read path 0.290")
+               for w in out.column("fusion").to_pylist())
+    held["masked_recovery_without_reads"] = 0.31
+    ckpt = make_checkpoint(tmp_path / "g.safetensors", model, gates=0.5, held_out=held)
+    out = FusionGate(checkpoint=str(ckpt), apply="auto").run(*upstream(SAMPLE, ckpt))
+    assert not any((w or "").startswith("text_only: the checkpoint") for w in out.column("fusion").to_pylist())
+
+
 def test_a_page_without_patches_stays_text_only_and_a_missing_checkpoint_is_named(tmp_path, model):
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5)
     text, patches = upstream(SAMPLE, ckpt)
