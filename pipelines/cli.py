@@ -323,6 +323,57 @@ def train_fusion(
     typer.echo(json.dumps(summary["held_out"], indent=1))
 
 
+@app.command("train-fusion-read")
+def train_fusion_read(
+    out: Annotated[Path, typer.Option("--out", help="Checkpoint to write (.safetensors) plus a .json report.")],
+    init: Annotated[Path, typer.Option(help="The fusion checkpoint that gets the read path.")] = Path(
+        "data/fusion/smollm2-135m-instruct.safetensors"),
+    corpus: Annotated[Optional[list[Path]], typer.Option("--corpus", help="PDFs or folders to train on.")] = None,
+    eval_corpus: Annotated[Optional[list[Path]], typer.Option("--eval", help="Held-out PDFs or folders: never "
+                                                              "trained on, reported at the end.")] = None,
+    synthetic: Annotated[int, typer.Option(help="Synthetic PDFs (4 pages each) the project draws itself.")] = 100,
+    sheets: Annotated[int, typer.Option(help="Word sheets (2 pages each) for the word reader.")] = 100,
+    reader_from: Annotated[Optional[Path], typer.Option(help="Take the word reader from this checkpoint "
+                                                        "instead of training one.")] = None,
+    reader_minutes: Annotated[float, typer.Option(help="Word reader training time.")] = 10.0,
+    steer_minutes: Annotated[float, typer.Option(help="Read-path (steering) training time.")] = 10.0,
+    model: Annotated[str, typer.Option(help="'default' or a local Hugging Face model folder.")] = "default",
+    batch: Annotated[int, typer.Option(help="Pages per steering step.")] = 16,
+    workers: Annotated[int, typer.Option(help="Processes that read and render PDFs.")] = 1,
+) -> None:
+    """Give a fusion checkpoint a word reader and a read path (hidden tokens read from the page image)."""
+    if out.suffix != ".safetensors":
+        _fail(f"--out {out}: the checkpoint is written as safetensors; name it e.g. {out.with_suffix('.safetensors')}")
+    from stages.vision_model import resolve_checkpoint
+
+    init_path = resolve_checkpoint(str(init))
+    if not init_path.is_file():
+        _fail(f"--init {init}: not found; give a `docfuse train-fusion` checkpoint")
+    if reader_from is not None and not reader_from.is_file():
+        _fail(f"--reader-from {reader_from}: not found; leave it out to train a reader")
+    if reader_minutes <= 0 or steer_minutes <= 0:
+        _fail("--reader-minutes and --steer-minutes must be positive")
+    train_set = _pdfs_or_fail(corpus, "--corpus") if corpus else []
+    held_out = _pdfs_or_fail(eval_corpus, "--eval") if eval_corpus else []
+    if not train_set and synthetic <= 0:
+        _fail("nothing to train the read path on: give --corpus PDFs or --synthetic N")
+    from fusion.read_train import ReaderTrainConfig, SteerTrainConfig
+    from fusion.run import read_path
+    from runtime.loading import load_model
+
+    lm, tokenizer = load_model(model, dtype="float32" if not _cuda() else "bfloat16")
+    try:
+        summary = read_path(lm, tokenizer, init=init_path, out=out, corpus=train_set, eval_corpus=held_out,
+                            sheets=sheets, synthetic_docs=synthetic, reader_from=reader_from, workers=workers,
+                            reader_config=ReaderTrainConfig(time_budget_s=reader_minutes * 60),
+                            steer_config=SteerTrainConfig(batch_pages=batch, time_budget_s=steer_minutes * 60),
+                            command=" ".join(["docfuse", *sys.argv[1:]]),
+                            log=lambda m: err.print(m, highlight=False, markup=False))
+    except ValueError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(summary["held_out"], indent=1))
+
+
 @app.command("eval-fusion")
 def eval_fusion(
     pdfs: Annotated[list[Path], typer.Argument(help="PDFs (or folders) the checkpoint never saw in training.")],

@@ -187,6 +187,11 @@ def test_eval_fusion_prints_the_json_the_issue_names(tmp_path):
     (["train-fusion", "--out", "x.safetensors", "--read-share", "1.5"], "--read-share 1.5: give a share in"),
     (["train-fusion", "--out", "x.safetensors", "--corpus", "no/such/dir"], "no PDF found"),
     (["eval-fusion", "no/such.pdf"], "no PDF found"),
+    (["train-fusion-read", "--out", "x.pt"], "written as safetensors"),
+    (["train-fusion-read", "--out", "x.safetensors", "--init", "none.safetensors"], "--init none.safetensors: not found"),
+    (["train-fusion-read", "--out", "x.safetensors", "--reader-from", "none.safetensors"], "--reader-from none"),
+    (["train-fusion-read", "--out", "x.safetensors", "--synthetic", "0"], "nothing to train the read path on"),
+    (["train-fusion-read", "--out", "x.safetensors", "--steer-minutes", "0"], "must be positive"),
     (["eval-fusion", "data/sample.pdf", "--checkpoint", "none.safetensors"], "not found; make one"),
 ])
 def test_fusion_commands_refuse_bad_input_with_the_fix(args, message):
