@@ -69,6 +69,15 @@ def save(path: str | Path, vit: Any, fusion: Fusion, vision: VisionSpec, decoder
     return out
 
 
+#: metadata keys save() writes itself; the rest (command, config, held_out, ...) is the caller's
+OWN_KEYS = ("format", "fusion_config", "vision_model", "vision_args", "image_size", "dpi", "decoder", "reader_config")
+
+
+def carried_meta(meta: dict[str, str]) -> dict[str, str]:
+    """A checkpoint's metadata less what save() writes itself: what a re-save carries over."""
+    return {k: v for k, v in meta.items() if k not in OWN_KEYS}
+
+
 def read_meta(path: str | Path) -> dict[str, str]:
     """The checkpoint's metadata, without loading its tensors."""
     from safetensors import safe_open

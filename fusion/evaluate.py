@@ -16,6 +16,7 @@ from fusion.features import encode
 from fusion.model import Fusion
 from fusion.objective import batch_streams, choose_mask
 from fusion.prepare import Prepared, patch_grid_boxes
+from fusion.reader import read_tokens
 
 
 def text_only(fusion: Fusion) -> Fusion:
@@ -57,8 +58,6 @@ def masked_recovery(decoder: Any, vit: Any, fusion: Fusion, pages: Sequence[Prep
         ink = page.ink.to(device).unsqueeze(0)
         reads = None
         if use_reads:
-            from fusion.reader import read_tokens
-
             read = read_tokens(reader, tokenizer, page.pixels, page.tokens.ids, page.tokens.boxes, mask)
             read_right += int((read[mask] == page.tokens.ids[mask]).sum())
             reads = [read.to(device)]

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ from fusion.features import encode
 from fusion.model import Fusion, FusionConfig
 from fusion.objective import batch_streams, choose_mask, pad_streams
 from fusion.prepare import Prepared, patch_grid_boxes
+from fusion.train import warmup_cosine
 from fusion.reader import (ReaderConfig, WordReader, ctc_loss, decode, group_boxes, group_texts,
                            ink_image, read_tokens, word_crops, word_groups)
 
@@ -65,10 +65,6 @@ class ReaderTrainConfig:
     time_budget_s: float | None = None
 
 
-def _schedule(step: int, done: float, warmup: int) -> float:
-    return min(1.0, step / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
-
-
 def train_reader(words: Sequence[PageWords], config: ReaderTrainConfig, device: str | torch.device = "cpu",
                  reader_config: ReaderConfig = ReaderConfig(), log: Callable[[str], None] = print,
                  eval_words: Sequence[PageWords] = ()) -> tuple[WordReader, list[dict]]:
@@ -90,7 +86,7 @@ def train_reader(words: Sequence[PageWords], config: ReaderTrainConfig, device: 
             break
         step += 1
         for g in opt.param_groups:
-            g["lr"] = config.lr * _schedule(step, done, config.warmup)
+            g["lr"] = config.lr * warmup_cosine(step, done, config.warmup)
         crops, labels = [], []
         for page in rng.sample(list(words), min(config.pages_per_step, len(words))):
             pick = torch.randperm(len(page.texts), generator=gen)[:per_page]
@@ -202,7 +198,7 @@ def train_steer(decoder: Any, tokenizer: Any, vit: Any, fusion: Fusion, reader: 
         if done >= 1.0:
             break
         step += 1
-        scale = _schedule(step, done, config.warmup)
+        scale = warmup_cosine(step, done, config.warmup)
         for g, lr in zip(opt.param_groups, base):
             g["lr"] = lr * scale
         batch = rng.sample(text_pages, min(config.batch_pages, len(text_pages)))

@@ -201,17 +201,20 @@ def read_tokens(reader: WordReader, tokenizer: Any, pixels: torch.Tensor, ids: t
     for s in range(0, len(needed), batch):
         sel = torch.from_numpy(gboxes[needed[s:s + batch]])
         words += [w for w, _ in decode(reader(word_crops(ink, sel, reader.config).to(dtype)))]
-    return place_words(tokenizer, ids, boxes, want, dict(zip(needed, words)))
+    return place_words(tokenizer, ids, boxes, want, dict(zip(needed, words)), groups=(group, gboxes))
 
 
 def place_words(tokenizer: Any, ids: torch.Tensor, boxes: torch.Tensor, want: torch.Tensor,
-                read: dict[int, str]) -> torch.Tensor:
+                read: dict[int, str], groups: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
     """[T] token ids of the ``want``-ed positions, from the words read for their word groups (``read``: group ->
-    word; ``word_groups`` numbers them); -1 where a group was not read. Never looks at the wanted ids."""
+    word; ``word_groups`` numbers them); -1 where a group was not read. Never looks at the wanted ids.
+    ``groups``: ``(word_groups(boxes), group_boxes(...))`` when the caller has them already."""
     out = torch.full((ids.shape[0],), -1, dtype=torch.long)
     ids_np, b, want_np = ids.cpu().numpy(), boxes.cpu().numpy(), want.cpu().numpy()
-    group = word_groups(b)
-    gboxes = group_boxes(b, group)
+    if groups is None:
+        group = word_groups(b)
+        groups = (group, group_boxes(b, group))
+    group, gboxes = groups
     for g, word in read.items():
         members = np.flatnonzero(group == g)
         if not word or not want_np[members].any():

@@ -121,9 +121,7 @@ def pack(src: Path, out: Path) -> Path:
     reader = checkpoint.load_reader(src)
     report = src.with_suffix(".json")
     held = json.loads(report.read_text())["held_out"] if report.is_file() else {}
-    # save() writes these itself; the rest (command, config, ...) is carried over
-    extra = {k: v for k, v in meta.items() if k not in ("format", "fusion_config", "vision_model", "vision_args",
-                                                          "image_size", "dpi", "decoder", "reader_config")}
+    extra = checkpoint.carried_meta(meta)
     extra["held_out"] = json.dumps({k: v for k, v in held.items() if k != "gates"})
     return checkpoint.save(out, vit, fusion, vision, meta["decoder"], reader=reader, **extra)
 
@@ -140,6 +138,26 @@ def load_decoder(name: str, device: str) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
+def read_path_pages(tokenizer: Any, vision: VisionSpec, corpus: Sequence[str | Path], eval_corpus: Sequence[str | Path],
+                    synthetic_docs: int, sheets: int, docs_seed: int, sheets_seed: int,
+                    workers: int) -> tuple[list[Prepared], list[Prepared], list[Prepared]]:
+    """(document pages: ``corpus`` and synthetic PDFs, never the held-out ones; word-sheet pages, all their words;
+    held-out pages of ``eval_corpus``) for training the read path."""
+    held_out = {p.resolve() for p in pdf_files(eval_corpus)}
+    with tempfile.TemporaryDirectory() as tmp:
+        made, truths = synthetic(synthetic_docs, docs_seed, Path(tmp) / "docs", workers) if synthetic_docs \
+            else ([], {})
+        docs = [p for p in pdf_files(corpus) + made if p.resolve() not in held_out]
+        pages = prepared(read_many(docs, vision, truths, workers), tokenizer)
+        sheet_pages = []
+        if sheets:
+            from fusion.synth_words import make_sheets
+
+            made = make_sheets(Path(tmp) / "sheets", sheets, seed=sheets_seed, workers=workers)
+            sheet_pages = prepared(read_many(made, vision, None, workers), tokenizer, SHEET_TOKENS)
+    return pages, sheet_pages, prepared(read_many(sorted(held_out), vision, None, workers), tokenizer)
+
+
 def train_word_reader(tokenizer: Any, *, init: Path, out: Path, corpus: Sequence[str | Path] = (),
                       eval_corpus: Sequence[str | Path] = (), sheets: int = 0, synthetic_docs: int = 0,
                       config: ReaderTrainConfig = ReaderTrainConfig(), workers: int = 1, command: str = "",
@@ -149,24 +167,14 @@ def train_word_reader(tokenizer: Any, *, init: Path, out: Path, corpus: Sequence
     started = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vit, fusion, vision, meta = checkpoint.load(init, device=device)
-    held_out = {p.resolve() for p in pdf_files(eval_corpus)}
-    with tempfile.TemporaryDirectory() as tmp:
-        docs, truths = synthetic(synthetic_docs, config.seed, Path(tmp) / "docs", workers) if synthetic_docs \
-            else ([], {})
-        docs = [p for p in pdf_files(corpus) + docs if p.resolve() not in held_out]
-        pages = prepared(read_many(docs, vision, truths, workers), tokenizer)
-        if sheets:
-            from fusion.synth_words import make_sheets
-
-            made = make_sheets(Path(tmp) / "sheets", sheets, seed=config.seed, workers=workers)
-            pages += prepared(read_many(made, vision, None, workers), tokenizer, SHEET_TOKENS)
-    eval_pages = prepared(read_many(sorted(held_out), vision, None, workers), tokenizer)
+    docs, sheet_pages, eval_pages = read_path_pages(tokenizer, vision, corpus, eval_corpus, synthetic_docs, sheets,
+                                                    config.seed, config.seed, workers)
+    pages = docs + sheet_pages
     words = page_words(pages, tokenizer)
     log(f"{len(pages)} training pages ({sum(len(w.texts) for w in words)} words), {len(eval_pages)} held-out "
         f"pages; read in {time.perf_counter() - started:.0f} s")
     reader, history = train_reader(words, config, device, log=log, eval_words=page_words(eval_pages, tokenizer))
-    extra = {k: v for k, v in meta.items() if k not in ("format", "fusion_config", "vision_model", "vision_args",
-                                                          "image_size", "dpi", "decoder", "reader_config")}
+    extra = checkpoint.carried_meta(meta)
     checkpoint.save(out, vit, fusion, vision, meta["decoder"], dtype=torch.float32, reader=reader,
                     reader_command=command, **extra)
     summary = {"checkpoint": str(out), "pages": len(pages), "eval_pages": len(eval_pages),
@@ -187,19 +195,9 @@ def read_path(decoder: Any, tokenizer: Any, *, init: Path, out: Path, corpus: Se
     started = time.perf_counter()
     device = str(next(decoder.parameters()).device)
     vit, fusion, vision, meta = checkpoint.load(init, checkpoint.decoder_fingerprint(decoder.config), device=device)
-    held_out = {p.resolve() for p in pdf_files(eval_corpus)}
-    with tempfile.TemporaryDirectory() as tmp:
-        docs, truths = synthetic(synthetic_docs, steer_config.seed, Path(tmp) / "docs", workers) if synthetic_docs \
-            else ([], {})
-        docs = [p for p in pdf_files(corpus) + docs if p.resolve() not in held_out]
-        pages = prepared(read_many(docs, vision, truths, workers), tokenizer)
-        sheet_pages = []
-        if sheets and reader_from is None:
-            from fusion.synth_words import make_sheets
-
-            made = make_sheets(Path(tmp) / "sheets", sheets, seed=reader_config.seed, workers=workers)
-            sheet_pages = prepared(read_many(made, vision, None, workers), tokenizer, SHEET_TOKENS)
-    eval_pages = prepared(read_many(sorted(held_out), vision, None, workers), tokenizer)
+    pages, sheet_pages, eval_pages = read_path_pages(
+        tokenizer, vision, corpus, eval_corpus, synthetic_docs, sheets if reader_from is None else 0,
+        steer_config.seed, reader_config.seed, workers)
     log(f"{len(pages)} document pages, {len(sheet_pages)} word-sheet pages, {len(eval_pages)} held-out pages; "
         f"read in {time.perf_counter() - started:.0f} s")
     history: dict[str, Any] = {}
@@ -214,8 +212,7 @@ def read_path(decoder: Any, tokenizer: Any, *, init: Path, out: Path, corpus: Se
     steered = with_read_path(fusion, read_hidden, steer_config.seed)
     steered, history["steer"] = train_steer(decoder, tokenizer, vit, steered, reader, pages, steer_config, log=log)
     report = masked_recovery(decoder, vit, steered, eval_pages, reader=reader, tokenizer=tokenizer) if eval_pages else {}
-    extra = {k: v for k, v in meta.items() if k not in ("format", "fusion_config", "vision_model", "vision_args",
-                                                          "image_size", "dpi", "decoder", "reader_config")}
+    extra = checkpoint.carried_meta(meta)
     extra |= {"read_command": command, "held_out": json.dumps({k: v for k, v in report.items() if k != "gates"})}
     checkpoint.save(out, vit, steered, vision, meta["decoder"], dtype=torch.float32, reader=reader, **extra)
     summary = {"checkpoint": str(out), "init": str(init), "pages": len(pages), "sheet_pages": len(sheet_pages),
@@ -257,6 +254,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.verb == "pack":
         print(pack(args.src, args.out))
         return
+    command = "python -m fusion.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    reader_config = ReaderTrainConfig(steps=args.reader_steps, batch_words=args.reader_batch, seed=args.seed,
+                                      pages_per_step=max(8, args.reader_batch // 64),
+                                      time_budget_s=args.reader_minutes * 60 if args.reader_minutes else None)
     if args.verb == "reader":  # the word reader alone: no decoder, only its tokenizer (to find the words)
         from transformers import AutoTokenizer
 
@@ -265,23 +266,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary = train_word_reader(
             AutoTokenizer.from_pretrained(args.tokenizer), init=args.init, out=args.out, corpus=args.corpus,
             eval_corpus=args.eval_corpus, sheets=args.sheets, synthetic_docs=args.synthetic, workers=args.workers,
-            config=ReaderTrainConfig(steps=args.reader_steps, batch_words=args.reader_batch, seed=args.seed,
-                                     pages_per_step=max(8, args.reader_batch // 64), time_budget_s=(
-                args.reader_minutes * 60 if args.reader_minutes else None)),
-            command="python -m fusion.run " + " ".join(sys.argv[1:] if argv is None else argv))
+            config=reader_config, command=command)
         print(json.dumps(summary["held_out"], indent=1))
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     decoder, tokenizer = load_decoder(args.model, device)
-    command = "python -m fusion.run " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.verb == "read":
         if args.init is None:
             raise SystemExit("read needs --init CHECKPOINT: the fusion that gets a read path")
         summary = read_path(
             decoder, tokenizer, init=args.init, out=args.out, corpus=args.corpus, eval_corpus=args.eval_corpus,
             sheets=args.sheets, synthetic_docs=args.synthetic, read_hidden=args.read_hidden,
-            reader_config=ReaderTrainConfig(steps=args.reader_steps, seed=args.seed, time_budget_s=(
-                args.reader_minutes * 60 if args.reader_minutes else None)),
+            reader_config=reader_config,
             steer_config=SteerTrainConfig(steps=args.steer_steps, batch_pages=args.batch, seed=args.seed,
                                           time_budget_s=args.steer_minutes * 60 if args.steer_minutes else None),
             reader_from=args.reader_from, workers=args.workers, command=command)

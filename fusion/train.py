@@ -55,6 +55,11 @@ class TrainConfig:
     time_budget_s: float | None = None
 
 
+def warmup_cosine(step: int, done: float, warmup: int) -> float:
+    """Learning-rate scale: linear warm-up over ``warmup`` steps, then cosine decay over the share ``done`` (0..1)."""
+    return min(1.0, step / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+
 def train(decoder: Any, pages: Sequence[Prepared], config: TrainConfig, vision: VisionSpec = DEFAULT_VISION,
           log: Callable[[str], None] = print, eval_pages: Sequence[Prepared] = (),
           eval_every: int = 0) -> tuple[Any, Fusion, list[dict]]:
@@ -96,7 +101,7 @@ def train(decoder: Any, pages: Sequence[Prepared], config: TrainConfig, vision: 
         # each phase has its own warm-up and cosine decay over its share of the budget
         local = done / config.read_share if reading else \
             (done - config.read_share) / (1.0 - config.read_share) if config.read_share > 0 else done
-        scale = min(1.0, (step - phase_start + 1) / max(1, config.warmup)) * 0.5 * (1 + math.cos(math.pi * local))
+        scale = warmup_cosine(step - phase_start + 1, local, config.warmup)
         for g, lr in zip(opt.param_groups, base):
             g["lr"] = lr * scale
         batch = rng.sample(list(pages), min(config.read_batch_pages if reading else config.batch_pages, len(pages)))
