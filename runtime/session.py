@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from runtime import metrics
-from runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question
+from runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question, read_question
 from runtime.kv.code_attention import reading_codes
 from runtime.kv.queries import record_queries
 from runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
@@ -210,9 +210,14 @@ class Session:
     def _answer(self, question: str, suffix: list[int], max_new_tokens: int, prune: bool = False) -> Answer:
         started = metrics.now(self.device)
         tiered = hasattr(self.cache, "retier")
-        if tiered:  # re-tier for this question from its own queries; counted in its time to first token
-            prepare_question(self.model, self.cache, torch.tensor([suffix], dtype=torch.long, device=self.device))
         kv = getattr(self.cache, "kv", None) if tiered else None
+        first: torch.Tensor | None = None  # the first answer token's logits, when re-tiering already read the question
+        question_ids = torch.tensor([suffix], dtype=torch.long, device=self.device)
+        # Re-tier for this question from its own queries; counted in its time to first token.
+        if kv is not None and kv.question == "exact":
+            first = read_question(self.model, self.cache, question_ids)
+        elif tiered:
+            prepare_question(self.model, self.cache, question_ids)
         recording = codes = contextlib.nullcontext()
         if kv is not None and kv.retier_every:
             # Decode-time re-tiers rank tokens by the newest queries (the question's, then the answer's own).
@@ -221,11 +226,11 @@ class Session:
             # One-token steps attend to the association tier's packed codes directly (runtime.kv.code_attention).
             codes = reading_codes(self.model, self.cache)
         with recording, codes:
-            return self._decode(question, suffix, max_new_tokens, prune, tiered, started)
+            return self._decode(question, suffix, max_new_tokens, prune, tiered, started, first)
 
     def _decode(self, question: str, suffix: list[int], max_new_tokens: int, prune: bool, tiered: bool,
-                started: float) -> Answer:
-        token = int(self._forward(suffix).argmax())
+                started: float, first: torch.Tensor | None = None) -> Answer:
+        token = int((self._forward(suffix) if first is None else first).argmax())
         ttft = time.perf_counter() - started  # argmax().item() waited for the device
         if tiered and hasattr(self.cache, "start_decode"):
             self.cache.start_decode()

@@ -313,7 +313,7 @@ def test_tiered_session_re_tiers_during_decode_from_the_answers_queries(model_an
     model, tokenizer = model_and_tokenizer
     ranked_by: list = []
     original = TieredCache.retier_layer
-    monkeypatch.setattr(TieredCache, "retier_layer", lambda self, i, q: (ranked_by.append(q), original(self, i, q))[1])
+    monkeypatch.setattr(TieredCache, "retier_layer", lambda self, i, q, *rest: (ranked_by.append(q), original(self, i, q, *rest))[1])
     doc = "Notes. " * 300 + "The pass key is 58213. Remember it. " + "More notes. " * 300
     kv = {"core_tokens": 0.1, "association_tokens": 0.25, "retier_every": 4}
     session = Session(model, tokenizer, kv=kv)

@@ -365,7 +365,7 @@ def test_decode_retier_counts_decode_steps_and_ranks_by_the_answers_own_queries(
     seen: list[torch.Tensor | None] = []
     original = TieredCache.retier_layer
     monkeypatch.setattr(TieredCache, "retier_layer",
-                        lambda self, i, q: (seen.append(q), original(self, i, q))[1])
+                        lambda self, i, q, *rest: (seen.append(q), original(self, i, q, *rest))[1])
     with record_queries(model, cache, tokens=cache.kv.query_tokens):
         logits = run(model, cache, question)
         cache.start_decode()  # the question's 6 tokens do not count as decode steps

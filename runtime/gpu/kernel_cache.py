@@ -37,7 +37,7 @@ class KernelTieredLayer(TieredLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (not self.fused or key_states.shape[2] != 1 or not self.is_initialized
+        if (not self.fused or self.exact_reads or key_states.shape[2] != 1 or not self.is_initialized
                 or not kernel_supports(self.assoc, key_states.shape[-1])):
             code_attention.take(self.layer_idx)  # nothing stale is left for this layer's attention call
             return super().update(key_states, value_states, *args, **kwargs)

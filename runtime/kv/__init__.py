@@ -9,8 +9,8 @@ Typical use (one prefill, many questions)::
     model(input_ids=document_ids, cache=cache)            # prefill, exact (chunks allowed)
     prefix = cache.get_seq_length()
     for question_ids in questions:
-        prepare_question(model, cache, question_ids)      # record the question's queries, re-tier
-        model.generate(torch.cat([document_ids, question_ids], 1), cache=cache, ...)
+        logits = read_question(model, cache, question_ids)  # the question, read exactly; then re-tier for it
+        ...                                                # decode greedily from logits on the re-tiered cache
         cache.rollback(prefix)                            # drop question + answer, keep the document
 
 ``make_cache(config, None)`` gives a plain DynamicCache (``kv: null``).
@@ -18,8 +18,8 @@ Typical use (one prefill, many questions)::
 
 from runtime.kv.config import KVConfig
 from runtime.kv.eviction import SnapKVCache
-from runtime.kv.queries import prepare_question, record_queries
+from runtime.kv.queries import prepare_question, read_question, record_queries
 from runtime.kv.tiered import RetierOnSchedule, TieredCache, as_kv_config, make_cache
 
 __all__ = ["KVConfig", "RetierOnSchedule", "SnapKVCache", "TieredCache", "as_kv_config", "make_cache",
-           "prepare_question", "record_queries"]
+           "prepare_question", "read_question", "record_queries"]

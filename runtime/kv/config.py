@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 Budget = int | float | Literal["auto"]
 
@@ -59,6 +59,16 @@ class KVConfig(BaseModel):
     #: On an H200 with an 8B model it is also faster at 128K (TTFT 0.87x), but slower on short documents, where the
     #: per-layer tiering has too little compute to hide behind (4.2x at 8K, 1.6x at 32K; bench/RESULTS.md, issue 6).
     prefill: Literal["tokens", "layers"] = "tokens"
+    #: How a question's own tokens read the document. ``exact``: every document token at full precision (read back
+    #: from the host archive one layer at a time), so the question's hidden states, the queries that rank the tiers
+    #: and the first answer token are the full cache's, whatever the earlier questions left in the tiers; only the
+    #: answer's later tokens read the tiers. ``tiered``: the question reads only the device tiers (less host-to-device
+    #: traffic, the behaviour before issue 29; it lost second questions: bench/RESULTS.md, issue 29).
+    question: Literal["exact", "tiered"] = "exact"
+    #: ``tiered``: the three tiers above. ``evict``: SnapKV-style eviction, a baseline for comparison: the first
+    #: question's attention keeps ``core_tokens`` tokens per head (pooled over ``vote_pool``, observed over
+    #: ``query_tokens``) and the rest is dropped for good, for every later question too.
+    method: Literal["tiered", "evict"] = "tiered"
 
     @field_validator("association_bits", mode="before")
     @classmethod
@@ -123,6 +133,13 @@ class KVConfig(BaseModel):
         if value is not None and value < 1:
             raise ValueError(f"retier_every must be a positive number of decode steps or null, got {value}")
         return value
+
+
+    @model_validator(mode="after")
+    def _evict_budget(self) -> "KVConfig":
+        if self.method == "evict" and self.core_tokens == "auto":
+            raise ValueError("method: evict keeps core_tokens tokens; give a count or a fraction, not auto")
+        return self
 
 
 def resolve_budget(budget: int | float, length: int) -> int:

@@ -67,10 +67,6 @@ class SnapKVLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def maybe_retier(self) -> bool:
-        """Sessions call this between decode steps; eviction never re-tiers."""
-        return False
-
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count, or use rollback(length)")
@@ -176,6 +172,10 @@ class SnapKVCache(Cache):
             keep_idx = mass.topk(keep, dim=-1).indices.sort(dim=-1).values.cpu()
             layer.evict(keep_idx)
         return {"kept": self.layers[0].kept, "total": length}
+
+    def maybe_retier(self) -> bool:
+        """Sessions call this between decode steps; eviction never re-tiers."""
+        return False
 
     def rollback(self, length: int) -> None:
         for layer in self.layers:

@@ -39,6 +39,9 @@ class TieredLayer(CacheLayerMixin):
     #: One-token steps hand the packed tiers to ``code_attention.attention_forward`` instead of dequantising them
     #: (set by ``code_attention.reading_codes`` while the model's attention is that function).
     read_codes = False
+    #: While set (``TieredCache.exact_view``), attention reads every cached position at full precision, in position
+    #: order: the core, plus the association and background tokens read back exactly from the archive.
+    exact_reads = False
 
     def __init__(self, kv: KVConfig, layer_idx: int) -> None:
         super().__init__()
@@ -76,7 +79,11 @@ class TieredLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens to the core and return association (dequantised) + core."""
+        """Append the new tokens to the core and return association (dequantised) + core.
+
+        Under ``exact_reads``: every earlier position exactly, in position order, then the new tokens."""
+        if self.exact_reads:
+            return self._exact_update(key_states, value_states)
         self.store(key_states, value_states)
         core_k, core_v = self.keys[:, :, : self.n_core], self.values[:, :, : self.n_core]
         if self.n_assoc == 0:
@@ -93,6 +100,17 @@ class TieredLayer(CacheLayerMixin):
         out_v[:, :, a:].copy_(core_v)
         return out_k, out_v
 
+    def _exact_update(self, key_states: torch.Tensor, value_states: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens in the core; return the exact K/V of all ``[0, length)`` plus the new tokens."""
+        if not self.is_initialized or self.length == 0:
+            self.store(key_states, value_states)
+            return self.keys[:, :, : self.n_core], self.values[:, :, : self.n_core]
+        b, h = key_states.shape[:2]
+        past_k, past_v = self._materialize(torch.ones(b, h, self.length, dtype=torch.bool))
+        self.store(key_states, value_states)
+        return torch.cat([past_k, key_states], dim=2), torch.cat([past_v, value_states], dim=2)
+
     def decode_attention(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of a handed-over one-token step, query [B, Hq, 1, D], over the packed tiers -> [B, 1, Hq, D]."""
         out = code_attention.code_attention(query[:, :, 0], self.keys, self.values, self.n_core, self.assoc, scale)
@@ -107,6 +125,8 @@ class TieredLayer(CacheLayerMixin):
         self.length += q
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.exact_reads:
+            return self.length + query_length, 0
         return self.active + query_length, self.length - self.active
 
     def get_seq_length(self) -> int:

@@ -88,3 +88,22 @@ def prepare_question(model: torch.nn.Module, cache: Any, question_ids: torch.Ten
     queries = cache.take_queries()
     cache.rollback(prefix)
     cache.retier(queries=queries)
+
+
+def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor) -> torch.Tensor:
+    """Append the question to ``cache`` (a TieredCache holding the document), read at full precision, then re-tier
+    for it; returns the logits of its last position (the first answer token's).
+
+    One pass over the question: under ``cache.exact_view()`` it attends to every document token exactly while its
+    queries are recorded, so its hidden states, queries and first token are those of a full cache. The re-tier then
+    keeps the question's own tokens in the core, and the answer's later tokens read the tiers.
+    """
+    prefix = cache.get_seq_length()
+    kwargs = {cache_kwarg(model): cache}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    positions = torch.arange(prefix, prefix + question_ids.shape[1], device=question_ids.device).unsqueeze(0)
+    with torch.no_grad(), cache.exact_view(), record_queries(model, cache, tokens=cache.kv.query_tokens):
+        out = model(input_ids=question_ids, position_ids=positions, use_cache=True, **kwargs)
+    cache.retier(queries=cache.take_queries(), keep_from=prefix)
+    return out.logits[0, -1]

@@ -8,7 +8,8 @@ cache without a second prefill; ``rollback(length)`` removes the question and an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -82,6 +83,18 @@ class TieredCache(Cache):
         """Recorded queries per layer, removed from the cache."""
         return [layer.take_queries() for layer in self.layers]
 
+    @contextmanager
+    def exact_view(self) -> Iterator[None]:
+        """While active, attention reads every cached position at full precision (one layer at a time, read back
+        from the archive): a question read this way has the full cache's hidden states, queries and first token."""
+        for layer in self.layers:
+            layer.exact_reads = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.exact_reads = False
+
     # ---- tiering -------------------------------------------------------------------------------------------------
     def budgets(self, length: int | None = None) -> tuple[int, int]:
         """(core, association) token counts per layer and head for ``length`` cached tokens."""
@@ -100,11 +113,13 @@ class TieredCache(Cache):
         assoc = min(length - core, resolve_budget(self.kv.association_tokens, length))
         return core, assoc
 
-    def retier(self, queries: Sequence[torch.Tensor | None] | None = None) -> dict[str, int]:
+    def retier(self, queries: Sequence[torch.Tensor | None] | None = None, keep_from: int | None = None
+               ) -> dict[str, int]:
         """Assign every cached token to a tier for the current question; no prefill, nothing dropped.
 
         ``queries``: per layer, post-RoPE query vectors [B, Hq, M, D] of the question (from ``take_queries``);
         ``None`` uses queries recorded in the cache, or else the newest core keys as a stand-in.
+        ``keep_from``: positions from here on stay in the core (the question's own tokens, already in the cache).
         Returns the token counts per tier (per layer and head).
         """
         length = self.get_seq_length()
@@ -112,16 +127,17 @@ class TieredCache(Cache):
             return self.tier_tokens()
         for i, layer in enumerate(self.layers):
             if layer.is_initialized:
-                self.retier_layer(i, queries[i] if queries is not None else layer.queries)
+                self.retier_layer(i, queries[i] if queries is not None else layer.queries, keep_from)
         self.retiered_at = length
         self.retiers += 1
         self.peak_device = max(self.peak_device, self.device_bytes())
         return self.tier_tokens()
 
-    def retier_layer(self, layer_idx: int, queries: torch.Tensor | None) -> None:
+    def retier_layer(self, layer_idx: int, queries: torch.Tensor | None, keep_from: int | None = None) -> None:
         """Re-tier one layer (``retier`` does every layer; the layer-major prefill does each as soon as it is full).
 
         ``queries``: post-RoPE query vectors [B, Hq, M, D], or ``None`` for the newest core keys as a stand-in.
+        ``keep_from``: as in ``retier``.
         """
         layer = self.layers[layer_idx]
         length = layer.get_seq_length()
@@ -130,7 +146,10 @@ class TieredCache(Cache):
         page_ids = self.pages.page_ids(length)
         forced = torch.zeros(length, dtype=torch.bool)
         forced[: self.kv.sink_tokens] = True
-        forced[max(0, length - self.kv.recent_tokens):] = True
+        recent = self.kv.recent_tokens if keep_from is None else max(self.kv.recent_tokens, length - keep_from)
+        forced[max(0, length - recent):] = True
+        core = min(length, max(core, int(forced.sum())))
+        assoc = min(assoc, length - core)
         layer._archive_all()
         layer.refresh_summaries(starts, page_ids)
         if self.kv.scoring == "tokens":
@@ -234,9 +253,15 @@ class RetierOnSchedule(StoppingCriteria):
 
 
 def make_cache(config: Any, kv: KVConfig | dict[str, Any] | None) -> Cache:
-    """The cache a ``kv:`` block asks for: ``None`` -> a plain DynamicCache, else a :class:`TieredCache`."""
+    """The cache a ``kv:`` block asks for: ``None`` -> a plain DynamicCache; ``method: evict`` -> the SnapKV-style
+    baseline; else a :class:`TieredCache`."""
     if kv is None:
         from transformers import DynamicCache
 
         return DynamicCache(config=config)
+    kv = as_kv_config(kv)
+    if kv.method == "evict":
+        from runtime.kv.eviction import SnapKVCache
+
+        return SnapKVCache(config, kv.core_tokens, window_tokens=kv.query_tokens, kernel=kv.vote_pool)
     return TieredCache(config, kv)

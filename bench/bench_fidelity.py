@@ -1,0 +1,307 @@
+"""Does the tiered cache answer as the full cache does? Measured through the pipeline a user runs (issue 29).
+
+Three verbs:
+
+    python bench/bench_fidelity.py make --out DIR [--planted 42 --real 12]
+        builds both halves' cases (bench/fidelity_cases.py) and writes each document as a PDF (PyMuPDF Story, Letter
+        pages) plus DIR/cases.json. Needs ../shared/corpus; the PDFs never enter the project.
+    python bench/bench_fidelity.py run --cases DIR --configs full,default,... [--half check] [--parallel 4]
+        runs ``pdf_qa_text`` on every PDF, once per config, with the case's questions asked of one prefill
+        (``params.questions``) and ``answer.kv`` set to the config's block: the CLI's and API's own path. Each config
+        runs in its own process (``--parallel`` at once); answers go to DIR/answers-<config>.jsonl.
+    python bench/bench_fidelity.py report --cases DIR [--out bench/results/fidelity.json]
+        compares every config with ``full`` per half: planted facts that the full cache answers and the config
+        loses, exact agreement and token F1 with the full cache's answer, device share, decode speed, time to first
+        token and the re-tier's share of it.
+
+The re-tier time comes from a timing wrapper around Session's question step (behaviour unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, save  # noqa: E402
+
+MAX_NEW_TOKENS = 32
+#: Named ``kv:`` blocks; ``full`` is the plain cache every other config is compared with.
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "full": None,
+    "default": {},  # whatever KVConfig's defaults are in this checkout
+    # issue 3's settings and behaviour: the question reads the tiers, a quarter of the background is scored exactly
+    "before": {"core_tokens": 0.10, "association_tokens": 0.25, "question": "tiered", "candidate_tokens": 0.25},
+    "exact-q": {"core_tokens": 0.10, "association_tokens": 0.25, "question": "exact", "candidate_tokens": 0.25},
+    "exact-q-c1": {"core_tokens": 0.10, "association_tokens": 0.25, "question": "exact", "candidate_tokens": 1.0},
+    "exact-q-re8": {"core_tokens": 0.10, "association_tokens": 0.25, "candidate_tokens": 1.0, "retier_every": 8},
+    "core20": {"core_tokens": 0.20, "association_tokens": 0.25, "candidate_tokens": 1.0},
+    "assoc-all-4bit": {"core_tokens": 0.10, "association_tokens": 1.0, "candidate_tokens": 1.0},
+    "assoc-all-2bit": {"core_tokens": 0.10, "association_tokens": 1.0, "association_bits": 2, "candidate_tokens": 1.0},
+    "core5-assoc-all-2bit": {"core_tokens": 0.05, "association_tokens": 1.0, "association_bits": 2,
+                             "candidate_tokens": 1.0},
+    "share0.5": {"core_tokens": 0.10, "association_tokens": 0.25, "candidate_tokens": 1.0, "vote_sharing": 0.5},
+    "layers": {"prefill": "layers"},  # must answer as "default" does (issue 29, must-have 4)
+    "snapkv@0.20": {"method": "evict", "core_tokens": 0.20},
+    "snapkv@0.36": {"method": "evict", "core_tokens": 0.36},
+    "snapkv@0.50": {"method": "evict", "core_tokens": 0.50},
+}
+
+
+def log(*parts: object) -> None:
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+# ---- make --------------------------------------------------------------------------------------------------------
+def write_pdf(text: str, path: Path) -> int:
+    """``text`` (paragraphs split by blank lines) as a born-digital PDF of Letter pages in Helvetica (a base-14
+    font, so nothing is embedded); returns the page count."""
+    import pymupdf
+
+    font = pymupdf.Font("helv")
+    doc = pymupdf.open()
+    rest = text.replace("\n\n", "\n")
+    while rest:
+        page = doc.new_page(width=612, height=792)
+        writer = pymupdf.TextWriter(page.rect)
+        left = writer.fill_textbox(pymupdf.Rect(54, 54, 558, 738), rest, font=font, fontsize=10)
+        writer.write_text(page)
+        rest = "\n".join(line for line, _ in left) if left else ""
+    doc.subset_fonts()  # a fallback font for non-Latin characters is embedded whole otherwise
+    doc.save(path, garbage=3, deflate=True)
+    pages = doc.page_count
+    doc.close()
+    return pages
+
+
+def make(out: Path, planted: int, real: int) -> None:
+    from bench import fidelity_cases
+    from runtime.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = []
+    for half in ("tune", "check"):
+        for case in fidelity_cases.build(half, tokenizer, planted, real):
+            pages = write_pdf(case.document, out / f"{case.id}.pdf")
+            manifest.append({**case.to_json(), "pdf": f"{case.id}.pdf", "pages": pages})
+        log(half, sum(len(c["questions"]) for c in manifest if c["half"] == half), "questions")
+    (out / "cases.json").write_text(json.dumps(manifest, indent=1))
+
+
+# ---- run ---------------------------------------------------------------------------------------------------------
+def _timed_question_steps() -> list[float]:
+    """Wrap Session's re-tier entry points so each question's re-tier time is recorded (behaviour unchanged)."""
+    from runtime import session as session_module
+
+    times: list[float] = []
+    for name in ("read_question", "prepare_question"):
+        original = getattr(session_module, name)
+
+        def timed(*args, _original=original, **kwargs):
+            started = time.perf_counter()
+            result = _original(*args, **kwargs)
+            if hasattr(result, "device"):
+                float(result.float().sum())  # wait for the device before reading the clock
+            times.append(time.perf_counter() - started)
+            return result
+
+        setattr(session_module, name, timed)
+    return times
+
+
+def run_config(cases_dir: Path, name: str, half: str | None, device: str) -> Path:
+    """Every case of ``half`` (or both) through pdf_qa_text with the config's kv block; answers to a JSONL file."""
+    from pipelines import Pipeline
+
+    kv = CONFIGS[name]
+    retier_times = _timed_question_steps()
+    cases = [c for c in json.loads((cases_dir / "cases.json").read_text()) if half in (None, c["half"])]
+    out = cases_dir / f"answers-{name}.jsonl"
+    base = Pipeline.from_yaml("pdf_qa_text")
+    base.set("answer.max_new_tokens", MAX_NEW_TOKENS)
+    base.set("answer.device", device)
+    base.set("answer.kv", kv)
+    with out.open("w") as f:
+        for n, case in enumerate(cases):
+            pipeline = base.copy()
+            pipeline.set("params.questions", case["questions"])
+            before = len(retier_times)
+            started = time.perf_counter()
+            report = pipeline.run([str(cases_dir / case["pdf"])])
+            seconds = time.perf_counter() - started
+            rows = report.tables["answer"].to_pylist()
+            steps = retier_times[before:]
+            for i, row in enumerate(rows):
+                row["retier_s"] = steps[i] if kv is not None and i < len(steps) and not row["error"] else None
+                f.write(json.dumps({"case": case["id"], "half": case["half"], "index": i, "config": name,
+                                    "run_s": seconds, **row}) + "\n")
+            f.flush()
+            if n % 10 == 0:
+                log(name, f"{n + 1}/{len(cases)}", case["id"], repr(rows[0]["answer"])[:60], rows[0]["error"] or "")
+    return out
+
+
+def run(cases_dir: Path, names: list[str], half: str | None, parallel: int, device: str) -> None:
+    """One process per config, ``parallel`` at a time (each config's answers are independent of the others)."""
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown config(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    if parallel <= 1:
+        for name in names:
+            run_config(cases_dir, name, half, device)
+        return
+    pending, live = list(names), []
+    threads = max(1, (os.cpu_count() or 2) // parallel)
+    while pending or live:
+        while pending and len(live) < parallel:
+            name = pending.pop(0)
+            cmd = [sys.executable, __file__, "one", "--cases", str(cases_dir), "--config", name, "--device", device]
+            if half:
+                cmd += ["--half", half]
+            env = {**os.environ, "DOCFUSE_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+            live.append((name, subprocess.Popen(cmd, env=env)))
+        time.sleep(2)
+        for name, proc in list(live):
+            if proc.poll() is not None:
+                live.remove((name, proc))
+                log(name, "finished", proc.returncode)
+
+
+# ---- report ------------------------------------------------------------------------------------------------------
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", (text or "").lower())
+
+
+def token_f1(a: str, b: str) -> float:
+    """SQuAD-style word F1 between two answers (1.0 when both are empty)."""
+    wa, wb = _words(a), _words(b)
+    if not wa and not wb:
+        return 1.0
+    common = sum((Counter(wa) & Counter(wb)).values())
+    if common == 0:
+        return 0.0
+    p, r = common / len(wa), common / len(wb)
+    return 2 * p * r / (p + r)
+
+
+def summarise(cases: list[dict], answers: dict[str, list[dict]], half: str) -> dict[str, Any]:
+    """Per config, against ``full``, over the half's questions."""
+    from bench.fidelity_cases import Fact
+
+    facts = {(c["id"], i): (Fact(f["kind"], f["text"], "", tuple(f["parts"])) if f else None)
+             for c in cases for i, f in enumerate(c["facts"])}
+    full = {(r["case"], r["index"]): r for r in answers["full"] if r["half"] == half}
+    out: dict[str, Any] = {}
+    for name, rows in answers.items():
+        rows = [r for r in rows if r["half"] == half and (r["case"], r["index"]) in full]
+        if not rows:
+            continue
+        planted = [(r, facts[(r["case"], r["index"])]) for r in rows if facts.get((r["case"], r["index"]))]
+        full_right = [(r, f) for r, f in planted if f.found_in(full[(r["case"], r["index"])]["answer"] or "")]
+        lost = [r for r, f in full_right if not f.found_in(r["answer"] or "")]
+        gained = [r for r, f in planted if f.found_in(r["answer"] or "")
+                  and not f.found_in(full[(r["case"], r["index"])]["answer"] or "")]
+        exact = [(r["answer"] or "").strip() == (full[(r["case"], r["index"])]["answer"] or "").strip() for r in rows]
+        f1 = [token_f1(r["answer"], full[(r["case"], r["index"])]["answer"]) for r in rows]
+        ok = [r for r in rows if not r["error"]]
+        share = [r["kv_device_bytes"] / r["kv_full_bytes"] for r in ok if r["kv_full_bytes"]]
+        first = [r for r in ok if r["index"] == 0]
+        later = [r for r in ok if r["index"] > 0]
+        retier = [r for r in ok if r.get("retier_s") is not None]
+        out[name] = {
+            "questions": len(rows), "errors": len(rows) - len(ok),
+            "planted": len(planted), "planted_right": sum(f.found_in(r["answer"] or "") for r, f in planted),
+            "full_right": len(full_right), "lost": len(lost), "gained": len(gained),
+            "lost_rate": len(lost) / len(full_right) if full_right else 0.0,
+            "lost_cases": [f"{r['case']}#{r['index']}" for r in lost],
+            "lost_by_position": dict(Counter(r["index"] for r in lost)),
+            "exact_agreement": mean(exact), "mean_f1": mean(f1),
+            "device_share": mean(share) if share else None,
+            "decode_tokens_per_s": mean(r["decode_tokens_per_s"] for r in ok if r["decode_tokens_per_s"]) if ok
+            else None,
+            "ttft_first_s": mean(r["ttft_s"] for r in first) if first else None,
+            "ttft_later_s": mean(r["ttft_s"] for r in later) if later else None,
+            "retier_s": mean(r["retier_s"] for r in retier) if retier else None,
+            "retier_share_of_ttft_first": mean(r["retier_s"] / r["ttft_s"] for r in retier if r["index"] == 0)
+            if any(r["index"] == 0 for r in retier) else None,
+            "retier_share_of_ttft_later": mean(r["retier_s"] / r["ttft_s"] for r in retier if r["index"] > 0)
+            if any(r["index"] > 0 for r in retier) else None,
+        }
+    return out
+
+
+def report(cases_dir: Path, out_name: str | None, device: str) -> dict[str, Any]:
+    cases = json.loads((cases_dir / "cases.json").read_text())
+    answers = {}
+    for path in sorted(cases_dir.glob("answers-*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        answers[rows[0]["config"] if rows else path.stem[8:]] = rows
+    if "full" not in answers:
+        raise SystemExit(f"no answers-full.jsonl in {cases_dir}: run the full config first")
+    halves = sorted({r["half"] for r in answers["full"]})
+    result = {"device": device, "configs": {n: CONFIGS.get(n) for n in answers},
+              "generators": dict(Counter(c["generator"] for c in cases)),
+              "questions_per_half": {h: sum(len(c["questions"]) for c in cases if c["half"] == h) for h in halves},
+              "halves": {h: summarise(cases, answers, h) for h in halves}}
+    for half, table in result["halves"].items():
+        print(f"\n## {half}")
+        print("| config | questions | full right | lost | lost % | exact agree | F1 | device share | decode tok/s "
+              "| TTFT first s | TTFT later s | re-tier s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, s in table.items():
+            def f(x, fmt):
+                return "-" if x is None else format(x, fmt)
+            print(f"| {name} | {s['questions']} | {s['full_right']} | {s['lost']} | {100 * s['lost_rate']:.1f} | "
+                  f"{s['exact_agreement']:.3f} | {s['mean_f1']:.3f} | {f(s['device_share'], '.3f')} | "
+                  f"{f(s['decode_tokens_per_s'], '.1f')} | {f(s['ttft_first_s'], '.2f')} | "
+                  f"{f(s['ttft_later_s'], '.2f')} | {f(s['retier_s'], '.2f')} |")
+    if out_name:
+        save(out_name, result)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="verb", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--planted", type=int, default=42)
+    m.add_argument("--real", type=int, default=12)
+    for verb in ("run", "one"):
+        r = sub.add_parser(verb)
+        r.add_argument("--cases", type=Path, required=True)
+        r.add_argument("--half", choices=["tune", "check"])
+        r.add_argument("--device", default="auto")
+        if verb == "run":
+            r.add_argument("--configs", default="full,default")
+            r.add_argument("--parallel", type=int, default=1)
+        else:
+            r.add_argument("--config", required=True)
+    p = sub.add_parser("report")
+    p.add_argument("--cases", type=Path, required=True)
+    p.add_argument("--out", default=None, help="name under bench/results/ (without .json)")
+    p.add_argument("--device", default=machine())
+    a = ap.parse_args()
+    if a.verb == "make":
+        make(a.out, a.planted, a.real)
+    elif a.verb == "run":
+        run(a.cases, a.configs.split(","), a.half, a.parallel, a.device)
+    elif a.verb == "one":
+        run_config(a.cases, a.config, a.half, a.device)
+    else:
+        report(a.cases, a.out, a.device)
+
+
+if __name__ == "__main__":
+    main()
