@@ -1,0 +1,132 @@
+"""A question reads the document exactly, whatever the tiers hold (issue 29).
+
+The first answer token of every question must be the full cache's, also for the second question of a prefill (whose
+tiers the first question chose) and after a layer-major prefill (whose tiers were chosen layer by layer); and the two
+prefills must leave the same tiers, so that whole answers agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from runtime.kv import TieredCache, prepare_question, read_question
+from runtime.kv.eviction import SnapKVCache
+from runtime.kv.tiered import make_cache
+from runtime.layer_prefill import layer_major_prefill
+from runtime.session import cache_kwarg
+
+KV = {"core_tokens": 0.1, "association_tokens": 0.25, "recent_tokens": 16, "query_tokens": 24}
+
+
+def tiny(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=256, max_position_embeddings=4096)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def forward(model, cache, tokens: torch.Tensor) -> torch.Tensor:
+    past = cache.get_seq_length()
+    positions = torch.arange(past, past + tokens.shape[1]).unsqueeze(0)
+    out = model(input_ids=tokens, position_ids=positions, use_cache=True, **{cache_kwarg(model): cache})
+    return out.logits[0, -1]
+
+
+def token_major(model, document: torch.Tensor, kv: dict) -> TieredCache:
+    cache = TieredCache(model.config, kv)
+    for s in range(0, document.shape[1], 256):
+        forward(model, cache, document[:, s: s + 256])
+    return cache
+
+
+def answer(model, cache, question: torch.Tensor, steps: int = 6, exact: bool = True) -> tuple[torch.Tensor, list]:
+    """First-token logits and the greedy tokens after them; the cache is rolled back to the document after."""
+    prefix = cache.get_seq_length()
+    if exact:
+        logits = read_question(model, cache, question)
+    else:
+        prepare_question(model, cache, question)
+        logits = forward(model, cache, question)
+    first, tokens = logits, [int(logits.argmax())]
+    for _ in range(steps):
+        tokens.append(int(forward(model, cache, torch.tensor([[tokens[-1]]])).argmax()))
+    cache.rollback(prefix)
+    return first, tokens
+
+
+def test_every_question_reads_the_document_as_the_full_cache_does() -> None:
+    model = tiny()
+    document = ids(700, 1)
+    cache = token_major(model, document, KV)
+    for n, seed in enumerate((2, 3, 4)):  # the second and third questions find tiers the earlier ones chose
+        question = ids(12, seed)
+        full = DynamicCache(config=model.config)
+        forward(model, full, document)
+        expected = forward(model, full, question)
+        logits, _ = answer(model, cache, question)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert cache.get_seq_length() == 700
+        if n:  # the cache really is tiered: most of the document is not in the core
+            assert cache.tier_tokens()["core"] < 700 // 2
+
+
+def test_the_question_stays_in_the_core_and_the_budget_grows_for_a_long_one() -> None:
+    model = tiny()
+    cache = token_major(model, ids(600, 1), KV)
+    read_question(model, cache, ids(40, 5))  # longer than recent_tokens (16)
+    tiers = cache.membership(0)[0]
+    assert bool((tiers[:, 600:] == 0).all()) and cache.get_seq_length() == 640
+    assert cache.tier_tokens()["core"] >= 40 + KV["recent_tokens"] // 4
+
+
+@pytest.mark.parametrize("pool", [15, 1])
+def test_layer_major_prefill_answers_as_token_major_prefill(pool: int) -> None:
+    """The new user's report: ``prefill: layers`` changed an answer. The question now reads both caches exactly
+    and ranks every token from exact keys, so both leave the same tiers and give the same tokens."""
+    model = tiny()
+    document = ids(800, 1)
+    kv = {**KV, "candidate_tokens": 1.0, "vote_pool": pool}
+    usual = token_major(model, document, kv)
+    layered = TieredCache(model.config, kv)
+    layer_major_prefill(model, layered, document, chunk=256)
+    for seed in (7, 8):
+        question = ids(10, seed)
+        a_logits, a_tokens = answer(model, usual, question)
+        b_logits, b_tokens = answer(model, layered, question)
+        torch.testing.assert_close(a_logits, b_logits, rtol=1e-4, atol=1e-4)
+        assert a_tokens == b_tokens
+        for la, lb in zip(usual.layers, layered.layers):
+            assert torch.equal(la.membership(), lb.membership())
+
+
+def test_the_old_question_path_tiers_layer_major_prefill_differently() -> None:
+    """What the test above guards against: the question reading the tiers, with a quarter of the background scored
+    exactly, leaves other tiers after a layer-major prefill than after the usual one."""
+    model = tiny()
+    document = ids(800, 1)
+    kv = {**KV, "question": "tiered", "candidate_tokens": 0.25}
+    usual, layered = token_major(model, document, kv), TieredCache(model.config, kv)
+    layer_major_prefill(model, layered, document, chunk=256)
+    question = ids(10, 7)
+    answer(model, usual, question, exact=False)
+    answer(model, layered, question, exact=False)
+    assert any(not torch.equal(la.membership(), lb.membership()) for la, lb in zip(usual.layers, layered.layers))
+
+
+def test_method_evict_gives_the_snapkv_baseline_through_the_kv_block() -> None:
+    model = tiny()
+    cache = make_cache(model.config, {"method": "evict", "core_tokens": 0.2, "query_tokens": 16})
+    assert isinstance(cache, SnapKVCache) and not cache.maybe_retier()
+    forward(model, cache, ids(500, 1))
+    prepare_question(model, cache, ids(10, 2))
+    assert cache.layers[0].kept == 100 and cache.get_seq_length() == 500
+    with pytest.raises(ValueError, match="not auto"):
+        make_cache(model.config, {"method": "evict", "core_tokens": "auto"})
