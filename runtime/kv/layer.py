@@ -13,6 +13,9 @@ promotion and re-quantisation then always start from exact values, and a demotio
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -42,6 +45,8 @@ class TieredLayer(CacheLayerMixin):
     #: While set (``TieredCache.exact_view``), attention reads every cached position at full precision, in position
     #: order: the core, plus the association and background tokens read back exactly from the archive.
     exact_reads = False
+    #: Exact K/V of every position while ``reading_all`` is active; ``_materialize`` serves every request from it.
+    _all: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, kv: KVConfig, layer_idx: int) -> None:
         super().__init__()
@@ -232,6 +237,17 @@ class TieredLayer(CacheLayerMixin):
         self.archive.append(self.keys[:, :, : self.n_core].gather(2, gather),
                             self.values[:, :, : self.n_core].gather(2, gather))
 
+    @contextmanager
+    def reading_all(self) -> Iterator[None]:
+        """Within, every ``_materialize`` is served from one exact read of all positions: a re-tier that scores
+        every token exactly then reads the archive once instead of once per step (summaries, votes, rebuild)."""
+        b, h = self.core_pos.shape[:2]
+        self._all = self._materialize(torch.ones(b, h, self.length, dtype=torch.bool))
+        try:
+            yield
+        finally:
+            self._all = None
+
     def _materialize(self, wanted: torch.Tensor, with_filled: bool = False):
         """Full-length exact K/V [B, H, length, D]; only positions where ``wanted`` [B, H, length] is set are filled.
 
@@ -240,6 +256,9 @@ class TieredLayer(CacheLayerMixin):
         """
         b, h, _ = wanted.shape
         d = self.keys.shape[-1]
+        if self._all is not None:
+            k, v = self._all
+            return (k, v, torch.ones(b, h, self.length, dtype=torch.bool)) if with_filled else (k, v)
         if self.n_core == self.length and self._core_in_order():
             # Every token is in the core, in position order (a fresh prefill): the core is the answer, no copy.
             k, v = self.keys[:, :, : self.length], self.values[:, :, : self.length]

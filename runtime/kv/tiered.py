@@ -9,7 +9,7 @@ cache without a second prefill; ``rollback(length)`` removes the question and an
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -151,15 +151,18 @@ class TieredCache(Cache):
         core = min(length, max(core, int(forced.sum())))
         assoc = min(assoc, length - core)
         layer._archive_all()
-        layer.refresh_summaries(starts, page_ids)
-        if self.kv.scoring == "tokens":
-            candidates = resolve_budget(self.kv.candidate_tokens, length)
-            priority = layer.vote_priority(queries, self.kv_heads, page_ids, candidates, SCORE_REDUCE)
-        else:
-            page_score = layer.scores(queries, self.kv_heads, SCORE_REDUCE).cpu()
-            priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
-        priority[:, :, forced] = float("inf")
-        layer.rebuild(priority, core, assoc, page_ids)
+        candidates = resolve_budget(self.kv.candidate_tokens, length)
+        # Every token scored exactly: one read of the archive serves the summaries, the votes and the rebuild.
+        once = layer.reading_all() if self.kv.scoring == "tokens" and candidates >= length else nullcontext()
+        with once:
+            layer.refresh_summaries(starts, page_ids)
+            if self.kv.scoring == "tokens":
+                priority = layer.vote_priority(queries, self.kv_heads, page_ids, candidates, SCORE_REDUCE)
+            else:
+                page_score = layer.scores(queries, self.kv_heads, SCORE_REDUCE).cpu()
+                priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
+            priority[:, :, forced] = float("inf")
+            layer.rebuild(priority, core, assoc, page_ids)
 
     def start_decode(self) -> None:
         """Count ``retier_every`` in decode steps from here (the question's suffix does not count)."""
