@@ -20,9 +20,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pipelines.engines import choose_executor
+from pipelines.executor import RunReport, StageSetupError
+from pipelines.executor_ray import RayUnavailable
+from pipelines.pipeline import Pipeline
 from pipelines.registry import all_stages
 from pipelines.sources import InputError, count
-from pipelines.spec import Pipeline, builtin_pipelines
+from pipelines.spec import builtin_pipelines
 from pipelines.validate import PipelineInvalid, validate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="docfuse: declarative pipelines that turn "
@@ -93,23 +97,13 @@ def run(
 
 
 def _execute(pipe: Pipeline, inputs: list[str], output: Path, engine: str, batch_docs: int,
-             cache_dir: Path | None, column: str | None, address: str | None = None):
-    if engine not in ("local", "ray"):
-        _fail(f"unknown engine '{engine}': use --engine local or --engine ray")
-    if address is not None and engine != "ray":
-        _fail("--address names a Ray cluster, which only --engine ray uses")
-    from pipelines.executor import LocalExecutor, StageSetupError
-    from pipelines.executor_ray import RayExecutor, RayUnavailable
-
+             cache_dir: Path | None, column: str | None, address: str | None = None) -> RunReport:
     try:
-        if engine == "ray":
-            executor = RayExecutor(pipe, cache_dir=cache_dir, address=address)
-        else:
-            executor = LocalExecutor(pipe, cache_dir=cache_dir)
+        executor = choose_executor(pipe, engine, cache_dir=cache_dir, address=address)
     except PipelineInvalid as exc:
         _report_problems(exc.problems)
         raise typer.Exit(USAGE)
-    except RayUnavailable as exc:
+    except (ValueError, RayUnavailable) as exc:
         _fail(str(exc))
     try:
         if engine == "ray":  # Ray Data draws its own per-stage progress bars, on a terminal only

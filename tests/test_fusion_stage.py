@@ -51,7 +51,7 @@ def upstream(pdf: Path, ckpt: Path) -> tuple[pa.Table, pa.Table]:
 
 
 def test_registered_and_pdf_qa_wires_it():
-    from pipelines.spec import Pipeline
+    from pipelines import Pipeline
 
     assert find_stage("fusion.gate") is FusionGate
     qa = Pipeline.from_yaml("pdf_qa")
