@@ -16,11 +16,13 @@ from tests.test_engine import TOY_YAML
 ENGINE = Path(__file__).resolve().parents[1] / "pipelines"
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """Modules ``path`` imports when it runs (lazily inside functions too); not those under ``if TYPE_CHECKING``."""
+def runtime_imports(path: Path, type_only_too: bool = False) -> set[str]:
+    """Modules ``path`` imports when it runs (lazily inside functions too); those under ``if TYPE_CHECKING`` only
+    with ``type_only_too``."""
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
-               for child in node.body for n in ast.walk(child)}
+    skipped = set() if type_only_too else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        for child in node.body for n in ast.walk(child)}
     found = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -47,6 +49,13 @@ def test_the_engine_modules_import_each_other_without_a_circle() -> None:
     assert not set(graph.successors("pipelines.spec")), "spec.py is pure data: it imports no engine module"
     for below in ("pipelines.validate", "pipelines.executor", "pipelines.executor_ray"):
         assert "pipelines.pipeline" not in nx.descendants(graph, below), f"{below} must not import the public API"
+
+
+def test_the_engine_imports_no_stage_library_model_or_trainer() -> None:
+    libraries = {"stages", "fusion", "runtime"}
+    found = {f"{path.name}: {m}" for path in ENGINE.glob("*.py") for m in runtime_imports(path, type_only_too=True)
+             if m.split(".")[0] in libraries}
+    assert not found, f"pipelines/ must reach them only through entry points (registry.py, commands.py): {found}"
 
 
 def test_sources_is_one_name_shared_by_validation_and_both_executors() -> None:
