@@ -26,7 +26,7 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kv_cases  # noqa: E402
 from bench.common import machine, save  # noqa: E402
-from bench.study_block_ablation import held_out_text  # noqa: E402
+from bench.experiments.study_block_ablation import held_out_text  # noqa: E402
 from runtime.loading import load_model  # noqa: E402
 from runtime.pruning import DecisionHead, Pruner, find_head  # noqa: E402
 from runtime.pruning.ablation import blocks_of  # noqa: E402

@@ -101,7 +101,7 @@ class Fusion(nn.Module):
         marks: those before a hidden token the reader read (``read_embeds``: the read token's decoder embedding).
 
         The decoder predicts token j at row j - 1, and adding token j's own embedding there makes it read row j - 1
-        as token j (bench/diag_fusion_oracle.py); the learnt steering map instead makes it predict token j.
+        as token j (bench/experiments/diag_fusion_oracle.py); the learnt steering map instead makes it predict token j.
         Other rows, and every row with the gate at 0, come back bit for bit."""
         if self.read_steer is None or not bool(has_read.any()) or (not self.training and self.read_gate.detach() == 0):
             return fused

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fusion.config import ReaderTrainConfig, SteerTrainConfig
 from fusion.features import encode
 from fusion.model import Fusion, FusionConfig
 from fusion.objective import batch_streams, choose_mask, pad_streams
@@ -51,18 +52,6 @@ def page_words(pages: Sequence[Prepared], tokenizer: Any, max_chars: int = 60) -
         if keep:
             out.append(PageWords(p.pixels, torch.from_numpy(group_boxes(boxes, group)[keep]), [texts[i] for i in keep]))
     return out
-
-
-@dataclass
-class ReaderTrainConfig:
-    steps: int = 3000
-    batch_words: int = 256
-    pages_per_step: int = 8
-    lr: float = 1e-3
-    warmup: int = 200
-    jitter: float = 1.0     # grid units of random shift of each box edge (about a pixel)
-    seed: int = 0
-    time_budget_s: float | None = None
 
 
 def train_reader(words: Sequence[PageWords], config: ReaderTrainConfig, device: str | torch.device = "cpu",
@@ -152,19 +141,6 @@ def with_read_path(fusion: Fusion, read_hidden: int, seed: int = 0) -> Fusion:
     missing, unexpected = out.load_state_dict(state, strict=False)
     assert not unexpected and all(k.startswith("read_") for k in missing), (missing, unexpected)
     return out.to(next(fusion.parameters()).device)
-
-
-@dataclass
-class SteerTrainConfig:
-    steps: int = 1000
-    batch_pages: int = 16
-    lr: float = 1e-3
-    gate_lr: float = 3e-2
-    warmup: int = 50
-    mask_rate: float = 0.15
-    visible_weight: float = 0.2   # visible tokens' loss keeps the read path from disturbing the rest
-    seed: int = 0
-    time_budget_s: float | None = None
 
 
 def train_steer(decoder: Any, tokenizer: Any, vit: Any, fusion: Fusion, reader: WordReader,

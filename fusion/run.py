@@ -1,7 +1,7 @@
 """Train and evaluate a fusion from PDF folders: what ``docfuse train-fusion`` and ``eval-fusion`` run.
 
 Also runnable on its own (``python -m fusion.run train ...``) where only torch, timm, transformers and PyMuPDF
-are installed, as on a lent GPU.
+are installed, as on a lent GPU. Its options take their defaults from fusion.config, as fusion/cli.py's do.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import torch
 
 from fusion import checkpoint
 from fusion.checkpoint import VisionSpec
+from fusion.config import CORPUS, READER, STEER, TRAIN, ReaderTrainConfig, SteerTrainConfig, TrainConfig
 from fusion.data import PageSample, read_pdf
 from fusion.evaluate import masked_recovery
 from fusion.prepare import Prepared, prepare
-from fusion.read_train import ReaderTrainConfig, SteerTrainConfig, page_words, train_reader, train_steer, with_read_path
-from fusion.train import DEFAULT_VISION, TrainConfig, train
+from fusion.read_train import page_words, train_reader, train_steer, with_read_path
+from fusion.train import DEFAULT_VISION, train
 
 MAX_TOKENS = 512  # tokens of a page used in training and evaluation (a page of prose is ~400-700)
 SHEET_TOKENS = 8192  # a word sheet's words all train the reader (random strings take many tokens)
@@ -187,7 +188,7 @@ def train_word_reader(tokenizer: Any, *, init: Path, out: Path, corpus: Sequence
 def read_path(decoder: Any, tokenizer: Any, *, init: Path, out: Path, corpus: Sequence[str | Path] = (),
               eval_corpus: Sequence[str | Path] = (), sheets: int = 0, synthetic_docs: int = 0,
               reader_config: ReaderTrainConfig = ReaderTrainConfig(), steer_config: SteerTrainConfig = SteerTrainConfig(),
-              read_hidden: int = 2048, reader_from: Path | None = None, workers: int = 1, command: str = "",
+              reader_from: Path | None = None, workers: int = 1, command: str = "",
               log: Callable[[str], None] = print) -> dict:
     """Give the fusion in ``init`` a read path: train a word reader (on word sheets, synthetic and ``corpus``
     pages; or take the one in ``reader_from``), then its steering map through the frozen decoder (synthetic and
@@ -209,7 +210,7 @@ def read_path(decoder: Any, tokenizer: Any, *, init: Path, out: Path, corpus: Se
         words = page_words(sheet_pages + pages, tokenizer)
         reader, history["reader"] = train_reader(words, reader_config, device, log=log,
                                                  eval_words=page_words(eval_pages, tokenizer))
-    steered = with_read_path(fusion, read_hidden, steer_config.seed)
+    steered = with_read_path(fusion, steer_config.read_hidden, steer_config.seed)
     steered, history["steer"] = train_steer(decoder, tokenizer, vit, steered, reader, pages, steer_config, log=log)
     report = masked_recovery(decoder, vit, steered, eval_pages, reader=reader, tokenizer=tokenizer) if eval_pages else {}
     extra = checkpoint.carried_meta(meta)
@@ -222,41 +223,53 @@ def read_path(decoder: Any, tokenizer: Any, *, init: Path, out: Path, corpus: Se
     return summary
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """``python -m fusion.run``'s options; their defaults are fusion.config's, as ``docfuse train-fusion``'s are."""
     ap = argparse.ArgumentParser(prog="python -m fusion.run")
     ap.add_argument("verb", choices=["train", "pack", "read", "reader"])
     ap.add_argument("src", nargs="?", type=Path, help="pack: the checkpoint to re-save")
     ap.add_argument("--model", help="decoder: a Hugging Face folder or a .gguf file")
     ap.add_argument("--corpus", nargs="*", default=[])
     ap.add_argument("--eval-corpus", nargs="*", default=[])
-    ap.add_argument("--synthetic", type=int, default=0)
+    ap.add_argument("--synthetic", type=int, default=None,
+                    help=f"synthetic PDFs; default {CORPUS.synthetic_docs} (train), {CORPUS.read_synthetic_docs} "
+                         "(read, reader)")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=TRAIN.steps)
+    ap.add_argument("--batch", type=int, default=TRAIN.batch_pages, help="pages per step (train and read)")
+    ap.add_argument("--workers", type=int, default=CORPUS.workers)
+    ap.add_argument("--seed", type=int, default=TRAIN.seed)
     ap.add_argument("--minutes", type=float, default=None, help="training time budget (overrides --steps)")
-    ap.add_argument("--mlp-hidden", type=int, default=1024, help="width of the gated MLP branch; 0 = none")
-    ap.add_argument("--read-share", type=float, default=0.0,
+    ap.add_argument("--mlp-hidden", type=int, default=TRAIN.mlp_hidden, help="width of the gated MLP branch; 0 = none")
+    ap.add_argument("--read-share", type=float, default=TRAIN.read_share,
                     help="share of the budget for the reading phase first (no decoder, no gate); 0 = none")
-    ap.add_argument("--read-batch", type=int, default=32, help="pages per reading-phase step")
+    ap.add_argument("--read-batch", type=int, default=TRAIN.read_batch_pages, help="pages per reading-phase step")
     ap.add_argument("--init", type=Path, help="read: the fusion checkpoint that gets a read path")
-    ap.add_argument("--sheets", type=int, default=0, help="read: word-sheet PDFs (2 pages each) for the reader")
-    ap.add_argument("--reader-minutes", type=float, default=None)
-    ap.add_argument("--reader-steps", type=int, default=3000)
-    ap.add_argument("--reader-batch", type=int, default=256, help="words per reader step")
+    ap.add_argument("--sheets", type=int, default=CORPUS.sheets,
+                    help="read: word-sheet PDFs (2 pages each) for the reader")
+    ap.add_argument("--reader-minutes", type=float, default=CORPUS.reader_minutes,
+                    help="reader training time; 0 = go by --reader-steps")
+    ap.add_argument("--reader-steps", type=int, default=READER.steps)
+    ap.add_argument("--reader-batch", type=int, default=READER.batch_words, help="words per reader step")
     ap.add_argument("--reader-from", type=Path, help="read: take the word reader from this checkpoint")
-    ap.add_argument("--steer-minutes", type=float, default=None)
-    ap.add_argument("--steer-steps", type=int, default=1000)
-    ap.add_argument("--read-hidden", type=int, default=2048)
+    ap.add_argument("--steer-minutes", type=float, default=CORPUS.steer_minutes,
+                    help="steering training time; 0 = go by --steer-steps")
+    ap.add_argument("--steer-steps", type=int, default=STEER.steps)
+    ap.add_argument("--read-hidden", type=int, default=STEER.read_hidden)
     ap.add_argument("--tokenizer", help="reader: the decoder's tokenizer folder (no weights needed)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.verb == "pack":
         print(pack(args.src, args.out))
         return
     command = "python -m fusion.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.synthetic is None:
+        args.synthetic = CORPUS.synthetic_docs if args.verb == "train" else CORPUS.read_synthetic_docs
     reader_config = ReaderTrainConfig(steps=args.reader_steps, batch_words=args.reader_batch, seed=args.seed,
-                                      pages_per_step=max(8, args.reader_batch // 64),
+                                      pages_per_step=max(READER.pages_per_step, args.reader_batch // 64),
                                       time_budget_s=args.reader_minutes * 60 if args.reader_minutes else None)
     if args.verb == "reader":  # the word reader alone: no decoder, only its tokenizer (to find the words)
         from transformers import AutoTokenizer
@@ -276,9 +289,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit("read needs --init CHECKPOINT: the fusion that gets a read path")
         summary = read_path(
             decoder, tokenizer, init=args.init, out=args.out, corpus=args.corpus, eval_corpus=args.eval_corpus,
-            sheets=args.sheets, synthetic_docs=args.synthetic, read_hidden=args.read_hidden,
-            reader_config=reader_config,
+            sheets=args.sheets, synthetic_docs=args.synthetic, reader_config=reader_config,
             steer_config=SteerTrainConfig(steps=args.steer_steps, batch_pages=args.batch, seed=args.seed,
+                                          read_hidden=args.read_hidden,
                                           time_budget_s=args.steer_minutes * 60 if args.steer_minutes else None),
             reader_from=args.reader_from, workers=args.workers, command=command)
         print(json.dumps(summary["held_out"], indent=1))

@@ -11,13 +11,13 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fusion.checkpoint import VisionSpec, untrained
+from fusion.config import TrainConfig
 from fusion.evaluate import masked_recovery
 from fusion.features import encode
 from fusion.model import Fusion
@@ -30,29 +30,6 @@ from fusion.prepare import Prepared, patch_grid_boxes
 DEFAULT_VISION = VisionSpec("samvit_base_patch16", {"depth": 3, "embed_dim": 128, "num_heads": 2, "window_size": 16,
                                                     "global_attn_indexes": [], "use_rel_pos": False,
                                                     "neck_chans": 0}, (1024, 768), 96.0)
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 1000
-    batch_pages: int = 16
-    lr: float = 3e-4
-    vit_lr: float = 1e-3
-    gate_lr: float = 3e-3  # gates start at 0 and would take thousands of steps to open at the base rate
-    warmup: int = 100
-    mask_rate: float = 0.15
-    visible_weight: float = 0.6   # loss weight of tokens that stay visible (keep good text as it was)
-    caption_weight: float = 0.5
-    aux_weight: float = 0.5       # the auxiliary read loss (see objective_loss)
-    mlp_hidden: int = 1024        # the gated MLP branch's width; 0 = none
-    #: share of the budget spent in the reading phase first: the ViT and cross-attention learn to name the next
-    #: token from the image alone (objective.reading_logits), no decoder, no gate; 0 = straight to the full loss
-    read_share: float = 0.0
-    read_batch_pages: int = 32
-    read_rows: int = 8192         # rows scored per reading step (a random subset of the batch's)
-    seed: int = 0
-    #: stop after this many seconds of training (the schedule follows time, not steps); None: ``steps`` decide
-    time_budget_s: float | None = None
 
 
 def warmup_cosine(step: int, done: float, warmup: int) -> float:

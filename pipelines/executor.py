@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import networkx as nx
 import pyarrow as pa
@@ -25,10 +26,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.cache import StageCache, stable_hash
-from pipelines.sources import read_batches
-from pipelines.spec import Pipeline
+from pipelines.sources import SOURCES, read_batches, table_batches
 from pipelines.stage import Stage, conform, error_value
 from pipelines.validate import PipelineInvalid, check
+
+if TYPE_CHECKING:
+    from pipelines.spec import PipelineSpec
 
 
 class StageSetupError(RuntimeError):
@@ -54,10 +57,6 @@ class RunReport:
         return 3 if self.error_rows else 0
 
 
-#: The name under which a batch's SOURCE table travels among the stage tables.
-SOURCES = "__sources__"
-
-
 def sources_key(sources: pa.Table) -> str:
     """The cache key of one batch of documents: their ids and read errors, so new bytes mean a new key."""
     return stable_hash(sources.column("doc_id").to_pylist(), sources.column("error").to_pylist())
@@ -69,7 +68,7 @@ def stage_key(stage: Stage) -> str:
                        stage.cache_salt())
 
 
-def needed_order(pipeline: Pipeline, graph: nx.DiGraph) -> list[str]:
+def needed_order(pipeline: PipelineSpec, graph: nx.DiGraph) -> list[str]:
     """The stages the outputs need, in topological order (a stage nothing needs is not run)."""
     needed: set[str] = set()
     for out in pipeline.outputs:
@@ -112,7 +111,7 @@ class StageStep:
         return False
 
 
-def plan_steps(pipeline: Pipeline, stages: dict[str, Stage], order: list[str]) -> list[StageStep]:
+def plan_steps(pipeline: PipelineSpec, stages: dict[str, Stage], order: list[str]) -> list[StageStep]:
     return [StageStep(name, stages[name], list(pipeline.stages[name].inputs) or [SOURCES], stage_key(stages[name]))
             for name in order]
 
@@ -170,7 +169,7 @@ def count_rows(report: RunReport, table: pa.Table) -> None:
 
 
 class LocalExecutor:
-    def __init__(self, pipeline: Pipeline, *, cache_dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, pipeline: PipelineSpec, *, cache_dir: str | os.PathLike | None = None) -> None:
         checked = check(pipeline)
         if checked.problems:
             raise PipelineInvalid(checked.problems)
@@ -211,7 +210,7 @@ class LocalExecutor:
         report = RunReport()
         batches: Iterable[pa.Table]
         if isinstance(inputs, pa.Table):
-            batches = (inputs.slice(i, batch_docs) for i in range(0, inputs.num_rows, batch_docs))
+            batches = table_batches(inputs, batch_docs)
         else:
             batches = read_batches(inputs, batch_docs=batch_docs, column=column)
         sink = Sink(self.pipeline.outputs, {o: self.stages[o].output() for o in self.pipeline.outputs}, output)

@@ -39,20 +39,21 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipelines.cache import StageCache
 from pipelines.executor import (
-    SOURCES, RunReport, Sink, StageSetupError, StageStep, count_rows, needed_order, plan_steps, setup_stage,
-    sources_key,
+    RunReport, Sink, StageSetupError, StageStep, count_rows, needed_order, plan_steps, setup_stage, sources_key,
 )
-from pipelines.sources import SOURCE_SCHEMA, _Entry, _read, expand
-from pipelines.spec import Pipeline
+from pipelines.sources import SOURCE_SCHEMA, SOURCES, Entry, expand, read_entry, table_batches
 from pipelines.stage import Stage, conform
 from pipelines.validate import PipelineInvalid, check
+
+if TYPE_CHECKING:
+    from pipelines.spec import PipelineSpec
 
 INSTALL_HINT = "pip install 'docfuse[ray]'"
 SEQ, BATCH, CACHED, DOCS, TABLE = "__seq", "__batch", "__cached", "__docs", "__table"
@@ -208,7 +209,7 @@ class _StageActor:
 
 def _read_sources(block: pa.Table) -> pa.Table:
     """Entries (one batch of documents) to the SOURCE bundle: the bytes are read here, on a worker."""
-    rows = [_read(_Entry(source=r["source"], path=r["path"], data=r["data"], error=r["error"]))
+    rows = [read_entry(Entry(source=r["source"], path=r["path"], data=r["data"], error=r["error"]))
             for r in block.to_pylist()]
     return _source_bundle(block, pa.Table.from_pylist(rows, schema=SOURCE_SCHEMA))
 
@@ -239,7 +240,7 @@ def _named(fn: Callable[[pa.Table], pa.Table], label: str) -> Callable[[pa.Table
 class RayExecutor:
     """Runs a pipeline on Ray Data with the local engine's results, report and exit codes."""
 
-    def __init__(self, pipeline: Pipeline, *, cache_dir: str | os.PathLike | None = None,
+    def __init__(self, pipeline: PipelineSpec, *, cache_dir: str | os.PathLike | None = None,
                  address: str | None = None) -> None:
         import_ray()
         checked = check(pipeline)
@@ -361,8 +362,8 @@ def _batches(inputs: Sequence[str | os.PathLike] | pa.Table, batch_docs: int,
              column: str | None) -> tuple[list[pa.Table], bool]:
     """The documents cut into batches on the driver: entries to read on workers, or slices of a SOURCE table."""
     if isinstance(inputs, pa.Table):
-        slices = [inputs.slice(i, batch_docs) for i in range(0, inputs.num_rows, batch_docs)]
-        return [t.append_column(SEQ, pa.array([n] * t.num_rows, pa.int64())) for n, t in enumerate(slices)], False
+        return [t.append_column(SEQ, pa.array([n] * t.num_rows, pa.int64()))
+                for n, t in enumerate(table_batches(inputs, batch_docs))], False
     rows = [{"source": e.source, "path": os.path.abspath(e.path) if e.path else None, "data": e.data,
              "error": e.error} for e in expand(inputs, column)]
     return [pa.Table.from_pylist([{**r, SEQ: n // batch_docs} for r in rows[n:n + batch_docs]], schema=ENTRY_SCHEMA)

@@ -27,6 +27,9 @@ SOURCE_SCHEMA = pa.schema([
     pa.field("data", pa.large_binary()),
     pa.field("error", pa.string()),
 ])
+#: The name under which the documents given as input travel: the input of every stage without ``from`` (validate.py)
+#: and the key of a batch's SOURCE table among its stage tables (both executors). No stage may take this name.
+SOURCES = "__sources__"
 DOCUMENT_SUFFIXES = {".pdf", ".txt", ".md", ".markdown"}
 DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc"}
 BYTES_COLUMNS = ("data", "bytes", "content", "pdf")
@@ -41,7 +44,7 @@ def doc_id_for(data: bytes, source: str) -> str:
 
 
 @dataclass
-class _Entry:
+class Entry:
     """One document to read: a path on disk, or bytes already in hand (from a dataset)."""
 
     source: str
@@ -54,7 +57,7 @@ class InputError(ValueError):
     """A usage problem with --input as a whole (as opposed to one unreadable document)."""
 
 
-def expand(inputs: Sequence[str | os.PathLike], column: str | None = None) -> Iterator[_Entry]:
+def expand(inputs: Sequence[str | os.PathLike], column: str | None = None) -> Iterator[Entry]:
     """Every document the inputs name, in a stable order."""
     if not inputs:
         raise InputError("no input given: pass --input FILE, a folder, a glob or a Parquet/Arrow dataset")
@@ -71,7 +74,7 @@ def expand(inputs: Sequence[str | os.PathLike], column: str | None = None) -> It
             yield from _expand_path(path, column)
 
 
-def _expand_path(path: Path, column: str | None) -> Iterator[_Entry]:
+def _expand_path(path: Path, column: str | None) -> Iterator[Entry]:
     if path.is_dir():
         found = False
         for root, dirs, files in os.walk(path):
@@ -80,7 +83,7 @@ def _expand_path(path: Path, column: str | None) -> Iterator[_Entry]:
                 p = Path(root) / name
                 if p.suffix.lower() in DOCUMENT_SUFFIXES:
                     found = True
-                    yield _Entry(source=str(p), path=str(p))
+                    yield Entry(source=str(p), path=str(p))
                 elif p.suffix.lower() in DATASET_SUFFIXES:
                     found = True
                     yield from _dataset_entries(p, column)
@@ -89,10 +92,10 @@ def _expand_path(path: Path, column: str | None) -> Iterator[_Entry]:
     elif path.suffix.lower() in DATASET_SUFFIXES and path.is_file():
         yield from _dataset_entries(path, column)
     else:
-        yield _Entry(source=str(path), path=str(path))
+        yield Entry(source=str(path), path=str(path))
 
 
-def _dataset_entries(path: Path, column: str | None) -> Iterator[_Entry]:
+def _dataset_entries(path: Path, column: str | None) -> Iterator[Entry]:
     dataset = ds.dataset(str(path), format=DATASET_SUFFIXES[path.suffix.lower()])
     names = dataset.schema.names
     col = column or next((c for c in BYTES_COLUMNS + PATH_COLUMNS if c in names), None)
@@ -114,22 +117,23 @@ def _dataset_entries(path: Path, column: str | None) -> Iterator[_Entry]:
         for value, label in zip(values, labels):
             if is_bytes:
                 if value is None:
-                    yield _Entry(source=f"{path}#{row}", error=error_value(
+                    yield Entry(source=f"{path}#{row}", error=error_value(
                         "missing_data", f"row {row} of {path} has no bytes in column '{col}'"))
                 else:
-                    yield _Entry(source=label or f"{path}#{row}", data=value)
+                    yield Entry(source=label or f"{path}#{row}", data=value)
             elif value is None:
-                yield _Entry(source=f"{path}#{row}", error=error_value(
+                yield Entry(source=f"{path}#{row}", error=error_value(
                     "missing_path", f"row {row} of {path} has no path in column '{col}'"))
             else:
                 p = Path(value)
                 if not p.is_absolute():
                     p = path.parent / p if (path.parent / p).exists() else p
-                yield _Entry(source=str(value), path=str(p))
+                yield Entry(source=str(value), path=str(p))
             row += 1
 
 
-def _read(entry: _Entry) -> dict:
+def read_entry(entry: Entry) -> dict:
+    """One SOURCE row for ``entry``: its bytes read here; a path that cannot be read gives an error row instead."""
     data, error = entry.data, entry.error
     if data is None and error is None:
         try:
@@ -150,6 +154,11 @@ def _read(entry: _Entry) -> dict:
     }
 
 
+def table_batches(table: pa.Table, batch_docs: int) -> list[pa.Table]:
+    """A SOURCE table given in memory, cut into slices of at most ``batch_docs`` documents (zero-copy)."""
+    return [table.slice(i, batch_docs) for i in range(0, table.num_rows, batch_docs)]
+
+
 def count(inputs: Sequence[str | os.PathLike], column: str | None = None) -> int:
     """How many documents the inputs name (cheap: reads no document bytes)."""
     return sum(1 for _ in expand(inputs, column))
@@ -163,7 +172,7 @@ def read_batches(
         raise InputError("batch_docs must be at least 1")
     rows: list[dict] = []
     for entry in expand(inputs, column):
-        rows.append(_read(entry))
+        rows.append(read_entry(entry))
         if len(rows) == batch_docs:
             yield pa.Table.from_pylist(rows, schema=SOURCE_SCHEMA)
             rows = []

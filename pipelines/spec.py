@@ -1,8 +1,12 @@
-"""The pipeline spec: one object that YAML and Python both build.
+"""The pipeline spec: one object that YAML and Python both build, and nothing but data.
 
 ``Pipeline.from_yaml(text) == Pipeline.from_yaml(p.to_yaml())`` for every valid pipeline, and the Python API
 (``Pipeline(...).add(...)``) produces the same object. Parsing is lenient and records problems instead of
 raising, so that validation can report every problem at once.
+
+This module imports nothing else of the engine: validation (validate.py) and execution (executor.py,
+executor_ray.py) import it, never the reverse. ``pipelines.Pipeline`` (pipeline.py) is this spec plus
+``validate()`` and ``run()``.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -64,7 +68,7 @@ def resource_problems(name: str, resources: Any) -> list[str]:
 
 
 @dataclass
-class Pipeline:
+class PipelineSpec:
     """A named DAG of stages, pipeline-level ``params``, and the stages whose tables are the outputs."""
 
     name: str
@@ -76,7 +80,7 @@ class Pipeline:
 
     # ---- Python API -------------------------------------------------------------------------------------
     def add(self, name: str, stage: str, *, from_: str | list[str] | None = None,
-            resources_: dict[str, Any] | None = None, **params: Any) -> "Pipeline":
+            resources_: dict[str, Any] | None = None, **params: Any) -> Self:
         """Add a stage; a second stage of the same name is recorded as a problem, as in YAML.
 
         ``resources_`` is YAML's ``resources:`` (the trailing underscore keeps it apart from stage parameters).
@@ -116,36 +120,7 @@ class Pipeline:
         else:
             target[keys[-1]] = value
 
-    def validate(self) -> list[str]:
-        """Every problem, each with its fix; empty when the pipeline can run."""
-        from pipelines.validate import validate
-
-        return validate(self)
-
-    def run(self, inputs: Any, output: str | Path | None = None, *, engine: str = "local",
-            cache_dir: str | Path | None = None, batch_docs: int = 8, column: str | None = None,
-            address: str | None = None) -> Any:
-        """Run over ``inputs`` (paths, globs, folders, datasets, or a SOURCE table) and return a RunReport.
-
-        With ``output`` the tables go to Parquet there; without, ``report.tables`` holds them. ``engine="ray"``
-        runs on Ray Data (``pip install 'docfuse[ray]'``): on the Ray cluster at ``address``, else on the Ray
-        this process already joined, else on a local Ray it starts, sized to this machine.
-        """
-        if engine == "ray":
-            from pipelines.executor_ray import RayExecutor
-
-            return RayExecutor(self, cache_dir=cache_dir, address=address).run(
-                inputs, output, batch_docs=batch_docs, column=column)
-        if engine != "local":
-            raise ValueError(f"engine '{engine}' is not available; use engine='local' or engine='ray'")
-        if address is not None:
-            raise ValueError("address names a Ray cluster, which only engine='ray' uses")
-        from pipelines.executor import LocalExecutor
-
-        executor = LocalExecutor(self, cache_dir=cache_dir)
-        return executor.run(inputs, output, batch_docs=batch_docs, column=column)
-
-    def copy(self) -> "Pipeline":
+    def copy(self) -> Self:
         return copy.deepcopy(self)
 
     # ---- YAML ---------------------------------------------------------------------------------------------
@@ -162,7 +137,7 @@ class Pipeline:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
     @classmethod
-    def from_yaml(cls, source: str | Path) -> "Pipeline":
+    def from_yaml(cls, source: str | Path) -> Self:
         """Parse YAML text, a path to a YAML file, or the name of a built-in pipeline (``pdf_qa``)."""
         text = _read_source(source)
         loader = _DuplicateKeyLoader(text)
@@ -177,7 +152,7 @@ class Pipeline:
         return cls.from_dict(data, problems=list(loader.duplicates))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], problems: list[str] | None = None) -> "Pipeline":
+    def from_dict(cls, data: dict[str, Any], problems: list[str] | None = None) -> Self:
         problems = problems or []
         unknown = set(data) - {"name", "params", "stages", "outputs"}
         if unknown:

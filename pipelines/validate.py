@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import networkx as nx
 import pyarrow as pa
 from pydantic import ValidationError
 
 from pipelines.registry import find_stage, suggest
-from pipelines.spec import Pipeline
+from pipelines.sources import SOURCE_SCHEMA, SOURCES
 from pipelines.stage import Stage
 
-#: The port name of a stage with no ``from``: it reads the documents given with --input.
-SOURCES = "sources"
+if TYPE_CHECKING:
+    from pipelines.spec import PipelineSpec
 
 
 class PipelineInvalid(Exception):
@@ -33,7 +34,7 @@ class Checked:
     problems: list[str]
 
 
-def build_graph(pipeline: Pipeline) -> nx.DiGraph:
+def build_graph(pipeline: PipelineSpec) -> nx.DiGraph:
     """Nodes are stage names; an edge u -> v means v reads u's table, with ``port`` the input position."""
     graph = nx.DiGraph()
     for name in pipeline.stages:
@@ -45,7 +46,7 @@ def build_graph(pipeline: Pipeline) -> nx.DiGraph:
     return graph
 
 
-def check(pipeline: Pipeline) -> Checked:
+def check(pipeline: PipelineSpec) -> Checked:
     problems = list(pipeline.parse_problems)
     graph = build_graph(pipeline)
     instances: dict[str, Stage] = {}
@@ -53,6 +54,8 @@ def check(pipeline: Pipeline) -> Checked:
     if not pipeline.stages:
         problems.append("the pipeline has no stages: add at least one under 'stages'")
     for name, spec in pipeline.stages.items():
+        if name == SOURCES:
+            problems.append(f"stage name '{SOURCES}' is reserved for the documents given with --input; rename it")
         if not spec.stage:
             continue  # already reported by the parser
         cls = find_stage(spec.stage)
@@ -89,7 +92,7 @@ def check(pipeline: Pipeline) -> Checked:
         for port, src in zip(ports, given):
             wanted = stage.inputs[port]
             if src == SOURCES:
-                produced, producer = _source_schema(), "--input"
+                produced, producer = SOURCE_SCHEMA, "--input"
             elif src in instances:
                 produced, producer = instances[src].output(), f"stage '{src}'"
             else:
@@ -105,7 +108,7 @@ def check(pipeline: Pipeline) -> Checked:
     return Checked(graph=graph, instances=instances, problems=problems)
 
 
-def validate(pipeline: Pipeline) -> list[str]:
+def validate(pipeline: PipelineSpec) -> list[str]:
     """Every problem in the pipeline, each naming its fix; empty when it can run."""
     return check(pipeline).problems
 
@@ -127,12 +130,6 @@ def _compatible(have: pa.DataType, want: pa.DataType) -> bool:
         return True
     widen = {(pa.binary(), pa.large_binary()), (pa.string(), pa.large_string())}
     return (have, want) in widen
-
-
-def _source_schema() -> pa.Schema:
-    from pipelines.sources import SOURCE_SCHEMA
-
-    return SOURCE_SCHEMA
 
 
 def _instantiate(name: str, cls: type[Stage], params: dict, context: dict, problems: list[str]) -> Stage | None:

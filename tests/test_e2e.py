@@ -46,6 +46,7 @@ def by_source(table) -> dict[str, list[dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_pdf_extract_keeps_every_good_page_and_gives_each_bad_file_an_error_row(fixtures, tmp_path):
     out = tmp_path / "pages.parquet"
     res = docfuse("run", "pdf_extract", "-i", str(fixtures["born_digital"].parent), "-o", str(out),
@@ -70,6 +71,7 @@ def test_pdf_extract_keeps_every_good_page_and_gives_each_bad_file_an_error_row(
     assert "| " in rows["ruled_table"][0]["text"]
 
 
+@pytest.mark.slow
 def test_encrypted_pdf_opens_with_password_from_set(fixtures, tmp_path):
     out = tmp_path / "enc.parquet"
     res = docfuse("run", "pdf_extract", "-i", str(fixtures["encrypted"]), "-o", str(out), "--no-cache",
@@ -82,6 +84,7 @@ def test_encrypted_pdf_opens_with_password_from_set(fixtures, tmp_path):
     assert pq.read_table(out).column("error")[0].as_py().startswith("wrong_password:")
 
 
+@pytest.mark.slow
 def test_unreadable_path_is_an_error_row_through_the_cli(fixtures, tmp_path):
     out = tmp_path / "u.parquet"
     res = docfuse("run", "pdf_extract", "-i", str(fixtures["born_digital"]), "-i", str(tmp_path / "missing.pdf"),
@@ -91,6 +94,7 @@ def test_unreadable_path_is_an_error_row_through_the_cli(fixtures, tmp_path):
     assert len(errors) == 1 and errors[0].startswith("unreadable:")
 
 
+@pytest.mark.slow
 def test_validate_and_stages_commands(tmp_path):
     assert docfuse("validate", "pdf_qa").returncode == 0
     bad = docfuse("validate", "pdf_qa", "--set", "answer.colour=red", "--set", "text.tables=sometimes")

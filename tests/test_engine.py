@@ -193,6 +193,7 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-c", code, *args]
 
 
+@pytest.mark.slow  # the CLI end to end, in a subprocess
 def test_killed_run_resumes_from_cache_with_every_row_exactly_once(tmp_path):
     n_docs = 16
     write_docs(tmp_path / "docs", n_docs)
@@ -223,6 +224,7 @@ def test_killed_run_resumes_from_cache_with_every_row_exactly_once(tmp_path):
     assert not list(cache.rglob("*.tmp")) and not Path(str(out) + ".partial").exists()
 
 
+@pytest.mark.slow  # the CLI end to end, in a subprocess
 def test_cli_exit_codes_and_validate(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: b\nstages:\n  x: {stage: test.linse}\noutputs: [x]\n")
     res = subprocess.run(_cli("validate", str(tmp_path / "bad.yaml")), cwd=ROOT, capture_output=True, text=True)

@@ -42,12 +42,9 @@ FOOTER_WORDS = WORDS + [Word("Page", 280.0, 760.0, 300.0, 772.0), Word("1", 304.
 # ---------------------------------------------------------------- fixtures and helpers
 
 @pytest.fixture(scope="module")
-def decoder():
-    from runtime.loading import load_model
-
-    model, tok = load_model("default", dtype="float32", device="cpu")
-    model.eval()
-    return model, tok
+def decoder(smollm2):
+    model, tok = smollm2
+    return model.eval(), tok
 
 
 def tiny_fusion(seed: int = 0, **overrides) -> Fusion:
@@ -84,6 +81,7 @@ def no_box(boxes: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- 1. gate 0 is exactly text-only
 
+@pytest.mark.slow
 def test_gate_zero_fusion_is_the_text_stream_bit_for_bit(decoder) -> None:
     model, tok = decoder
     ids, boxes = page_tensors(tok)
@@ -106,6 +104,7 @@ def test_gate_zero_fusion_is_the_text_stream_bit_for_bit(decoder) -> None:
     assert torch.equal(fused, by_ids)
 
 
+@pytest.mark.slow
 def test_open_gate_changes_boxed_tokens_only(decoder) -> None:
     model, tok = decoder
     ids, boxes = page_tensors(tok)
@@ -126,6 +125,7 @@ def test_open_gate_changes_boxed_tokens_only(decoder) -> None:
 
 # ---------------------------------------------------------------- 2. text_only
 
+@pytest.mark.slow
 def test_text_only_zeroes_every_gate_and_leaves_the_original(decoder) -> None:
     model, tok = decoder
     fusion = tiny_fusion()
@@ -160,6 +160,7 @@ def test_text_only_zeroes_every_gate_and_leaves_the_original(decoder) -> None:
 
 # ---------------------------------------------------------------- 3. token boxes
 
+@pytest.mark.slow
 def test_token_boxes_split_their_words(decoder) -> None:
     _, tok = decoder
     page = tokenize_page(tok, TEXT, WORDS, PAGE_W, PAGE_H)
@@ -194,6 +195,7 @@ def test_token_boxes_split_their_words(decoder) -> None:
     assert len(per_word[1]) > 1  # "$4,218.07" is several tokens, so the partition is really checked
 
 
+@pytest.mark.slow
 def test_align_words_skips_words_not_in_the_text(decoder) -> None:
     _, tok = decoder
     words = [WORDS[0], Word("MISSING", 0, 0, 10, 10), Word("   ", 0, 0, 1, 1), WORDS[2], WORDS[4]]
@@ -239,6 +241,7 @@ def _check_consistent(out, embeds, tokens) -> None:
     assert torch.equal(out.embeds[out.visual], tokens), "the visual rows, in order"
 
 
+@pytest.mark.slow
 def test_visual_tokens_cover_the_figure_below_the_text(decoder) -> None:
     model, tok = decoder
     fusion = tiny_fusion()
@@ -257,6 +260,7 @@ def test_visual_tokens_cover_the_figure_below_the_text(decoder) -> None:
     assert not torch.allclose(tokens, fusion.visual_marker.expand_as(tokens))
 
 
+@pytest.mark.slow
 def test_visual_tokens_go_before_text_below_them(decoder) -> None:
     model, tok = decoder
     fusion = tiny_fusion()
@@ -270,6 +274,7 @@ def test_visual_tokens_go_before_text_below_them(decoder) -> None:
     assert int(out.text_index[footer]) == footer + 2 and int(out.text_index[footer - 1]) == footer - 1
 
 
+@pytest.mark.slow
 def test_visual_gate_zero_adds_no_visual_tokens_in_eval(decoder) -> None:
     model, tok = decoder
     fusion = tiny_fusion()
@@ -320,6 +325,7 @@ def test_interleave_places_visual_rows() -> None:
 
 # ---------------------------------------------------------------- 5. checkpoints
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_and_refusals(decoder, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -374,6 +380,7 @@ def test_checkpoint_round_trip_and_refusals(decoder, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- 6. the objective
 
+@pytest.mark.slow
 def test_choose_mask_never_masks_the_first_or_boxless_tokens(decoder) -> None:
     _, tok = decoder
     _, boxes = page_tensors(tok, FOOTER_TEXT, FOOTER_WORDS)
@@ -406,6 +413,7 @@ def _two_pages(tok):
     return [a, b], masks, torch.randn(2, ROWS * COLS, 64, generator=gen), torch.stack([bottom_ink()] * 2)
 
 
+@pytest.mark.slow
 def test_batch_streams_targets_rows_and_mask_embedding(decoder) -> None:
     model, tok = decoder
     embed = model.get_input_embeddings()
@@ -445,6 +453,7 @@ def test_batch_streams_targets_rows_and_mask_embedding(decoder) -> None:
     assert torch.nonzero(second.stream.visual).flatten().tolist() == [len(pages[1].ids), len(pages[1].ids) + 1]
 
 
+@pytest.mark.slow
 def test_batch_streams_pages_do_not_leak_into_each_other(decoder) -> None:
     model, tok = decoder
     embed = model.get_input_embeddings()
@@ -480,6 +489,7 @@ def synthetic_pages(decoder, tmp_path_factory: pytest.TempPathFactory):
     return [p for s in samples if (p := prepare(s, tok, 64)) is not None]
 
 
+@pytest.mark.slow
 def test_end_to_end_eval_then_a_training_step(decoder, synthetic_pages) -> None:
     from fusion.train import TrainConfig, train
 
@@ -506,6 +516,7 @@ def test_end_to_end_eval_then_a_training_step(decoder, synthetic_pages) -> None:
     assert torch.equal(model.get_input_embeddings().weight, embedding), "the decoder stays frozen"
 
 
+@pytest.mark.slow
 def test_train_runs_the_configured_number_of_steps(decoder, synthetic_pages) -> None:
     from fusion.train import TrainConfig, train
 
@@ -516,6 +527,7 @@ def test_train_runs_the_configured_number_of_steps(decoder, synthetic_pages) -> 
     assert any(g != 0.0 for g in fusion.gates().values())
 
 
+@pytest.mark.slow
 def test_reading_logits_score_each_boxed_row_against_its_next_token(decoder, synthetic_pages) -> None:
     from fusion.objective import reading_logits
 
@@ -537,6 +549,7 @@ def test_reading_logits_score_each_boxed_row_against_its_next_token(decoder, syn
     assert sub.shape[0] == 3 and set(sub_targets.tolist()) <= set(targets.tolist())
 
 
+@pytest.mark.slow
 def test_reading_phase_trains_the_reader_and_leaves_the_gates_shut(decoder, synthetic_pages) -> None:
     from fusion.train import TrainConfig, train
 

@@ -51,13 +51,14 @@ def upstream(pdf: Path, ckpt: Path) -> tuple[pa.Table, pa.Table]:
 
 
 def test_registered_and_pdf_qa_wires_it():
-    from pipelines.spec import Pipeline
+    from pipelines import Pipeline
 
     assert find_stage("fusion.gate") is FusionGate
     qa = Pipeline.from_yaml("pdf_qa")
     assert qa.stages["fused"].stage == "fusion.gate" and qa.stages["answer"].inputs == ["fused"]
 
 
+@pytest.mark.slow
 def test_vision_patches_reads_a_fusion_checkpoint_and_measures_ink(tmp_path, model):
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model)
     _, patches = upstream(SAMPLE, ckpt)
@@ -66,6 +67,7 @@ def test_vision_patches_reads_a_fusion_checkpoint_and_measures_ink(tmp_path, mod
     assert ink.shape == (patches.num_rows, 8 * 6) and 0 < ink.max() <= 1 and ink.min() >= 0
 
 
+@pytest.mark.slow
 def test_gate_zero_rows_are_the_decoders_own_embeddings_bit_for_bit(tmp_path, model):
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model)
     text, patches = upstream(SAMPLE, ckpt)
@@ -83,6 +85,7 @@ def test_gate_zero_rows_are_the_decoders_own_embeddings_bit_for_bit(tmp_path, mo
     assert np.array_equal(fused_rows(back.column("fused"), 0), fused_rows(out.column("fused"), 0))
 
 
+@pytest.mark.slow
 def test_open_gates_change_boxed_tokens_and_add_visual_tokens_for_figures(tmp_path, model):
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5)
     text, patches = upstream(write_figures_doc(tmp_path), ckpt)
@@ -100,6 +103,7 @@ def test_open_gates_change_boxed_tokens_and_add_visual_tokens_for_figures(tmp_pa
         assert not np.array_equal(text_rows, plain)
 
 
+@pytest.mark.slow
 def test_auto_refuses_a_checkpoint_that_lost_to_text_only(tmp_path, model, caplog):
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5,
                            held_out={"masked_recovery_fused": 0.2, "masked_recovery_text_only": 0.3})
@@ -112,6 +116,7 @@ def test_auto_refuses_a_checkpoint_that_lost_to_text_only(tmp_path, model, caplo
     assert fused_pages(out) == {}  # decode then takes the plain text path
 
 
+@pytest.mark.slow
 def test_auto_judges_a_read_path_checkpoint_without_its_read_path(tmp_path, model):
     """A stage's text hides nothing, so a read path never acts there: the figure that counts is the fusion's
     without it, however far the read path lifts masked recovery."""
@@ -127,6 +132,7 @@ def test_auto_judges_a_read_path_checkpoint_without_its_read_path(tmp_path, mode
     assert not any((w or "").startswith("text_only: the checkpoint") for w in out.column("fusion").to_pylist())
 
 
+@pytest.mark.slow
 def test_a_page_without_patches_stays_text_only_and_a_missing_checkpoint_is_named(tmp_path, model):
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5)
     text, patches = upstream(SAMPLE, ckpt)
@@ -136,6 +142,7 @@ def test_a_page_without_patches_stays_text_only_and_a_missing_checkpoint_is_name
         FusionGate(checkpoint=str(tmp_path / "nope.safetensors"), apply="always").setup()
 
 
+@pytest.mark.slow
 def test_decode_from_a_gate_zero_fused_stream_equals_the_text_path(tmp_path, model):
     """The fused prefix (head + page markers + page rows) is the text path's prompt, token for token."""
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model)
@@ -170,6 +177,7 @@ def _cli(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
+@pytest.mark.slow
 def test_eval_fusion_prints_the_json_the_issue_names(tmp_path):
     from fusion.synth import make_pdf
 
@@ -199,6 +207,7 @@ def test_fusion_commands_refuse_bad_input_with_the_fix(args, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.slow
 def test_pdf_qa_answers_a_document_whose_pages_are_too_large_to_render_text_only(tmp_path):
     """A render error concerns the picture only: one answer row per question, no error row."""
     from pipelines import Pipeline
@@ -212,6 +221,7 @@ def test_pdf_qa_answers_a_document_whose_pages_are_too_large_to_render_text_only
     assert len(rows) == 1 and rows[0]["error"] is None and rows[0]["answer"]
 
 
+@pytest.mark.slow
 def test_pdf_qa_with_its_rejected_checkpoint_answers_exactly_as_pdf_qa_text():
     from pipelines import Pipeline
 

@@ -25,6 +25,7 @@ TEXT = ("The lease runs for twelve months from the first of March. The tenant pa
 
 @pytest.fixture(scope="module")
 def lm():
+    # Its own copy, not conftest's shared smollm2: pruners wrap the model's blocks in gates that stay.
     return loading.load_model("default", dtype="float32", device="cpu")
 
 
@@ -61,6 +62,7 @@ def decode_logits(model, pruner: Pruner, ids: torch.Tensor, prefix: int, cache=N
     return torch.stack(out[:-1]), plans
 
 
+@pytest.mark.slow
 def test_head_file_round_trips_and_stays_within_the_parameter_budget(lm, tmp_path):
     model, _ = lm
     head = random_head(model)
@@ -76,6 +78,7 @@ def test_head_file_round_trips_and_stays_within_the_parameter_budget(lm, tmp_pat
         DecisionHead.load(tmp_path / "bad.safetensors")
 
 
+@pytest.mark.slow
 def test_head_for_another_model_is_refused_with_the_fix(lm, tmp_path):
     model, _ = lm
     head = random_head(model)
@@ -84,6 +87,7 @@ def test_head_for_another_model_is_refused_with_the_fix(lm, tmp_path):
         find_head(model, str(tmp_path / "h.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_stream_labels_match_real_decode_step_ablation(lm):
     """The ablated stream (dense history, own key at t) must equal skipping the block at that decode step."""
     model, tokenizer = lm
@@ -117,6 +121,7 @@ def test_two_stream_labels_match_real_decode_step_ablation(lm):
     pruner.detach()
 
 
+@pytest.mark.slow
 def test_skipped_attention_still_writes_the_same_keys_and_values(lm):
     model, tokenizer = lm
     ids = ids_of(tokenizer)[:24]
@@ -140,6 +145,7 @@ def test_skipped_attention_still_writes_the_same_keys_and_values(lm):
     assert skipped.get_seq_length() == len(ids)
 
 
+@pytest.mark.slow
 def test_mask_mode_equals_step_by_step_pruned_decoding(lm):
     """One teacher-forced forward in mask mode gives each position what pruned decoding would give it."""
     model, tokenizer = lm
@@ -156,6 +162,7 @@ def test_mask_mode_equals_step_by_step_pruned_decoding(lm):
     assert (masked - stepped).abs().max() < 1e-3
 
 
+@pytest.mark.slow
 def test_pruned_decoding_with_the_tiered_cache_keeps_the_cache_consistent(lm):
     model, tokenizer = lm
     ids = ids_of(tokenizer)
@@ -167,6 +174,7 @@ def test_pruned_decoding_with_the_tiered_cache_keeps_the_cache_consistent(lm):
     assert pruner.skipped_fraction > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("request_override", [{"safe_mode": True}, {"threshold": 0.0}])
 def test_safe_mode_and_threshold_zero_are_exactly_the_dense_model(lm, request_override, monkeypatch):
     model, tokenizer = lm
@@ -187,6 +195,7 @@ def test_safe_mode_and_threshold_zero_are_exactly_the_dense_model(lm, request_ov
     assert safe.ask(question, max_new_tokens=12).text == want.text
 
 
+@pytest.mark.slow
 def test_a_model_without_a_head_decodes_dense_and_says_so_once(lm, monkeypatch, tmp_path, caplog):
     model, tokenizer = lm
     monkeypatch.setattr("runtime.pruning.config.SHIPPED_HEADS", tmp_path)
@@ -198,6 +207,7 @@ def test_a_model_without_a_head_decodes_dense_and_says_so_once(lm, monkeypatch, 
     assert sum("no calibrated pruning head" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.slow
 def test_training_and_fidelity_run_on_real_labels(lm):
     """A head trained on two labelled windows runs the sweep; threshold 0 skips nothing and agrees fully."""
     from runtime.pruning.ablation import window_labels
@@ -216,6 +226,7 @@ def test_training_and_fidelity_run_on_real_labels(lm):
     pruner.detach()
 
 
+@pytest.mark.slow
 def test_shipped_head_fits_the_embedded_model_when_present(lm):
     model, _ = lm
     files = sorted(SHIPPED_HEADS.glob("*.safetensors"))
@@ -236,6 +247,7 @@ def test_pruning_block_is_validated_with_accepted_keys():
     assert DecodeParams(pruning={"safe_mode": True}).pruning["threshold"] == 0.15
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context, skips", [({}, True), ({"safe_mode": True}, False)])
 def test_pdf_qa_rows_carry_the_skipped_fraction_and_safe_mode_per_run(lm, monkeypatch, context, skips):
     import pyarrow as pa
@@ -253,6 +265,7 @@ def test_pdf_qa_rows_carry_the_skipped_fraction_and_safe_mode_per_run(lm, monkey
     assert (row["skipped_fraction"] > 0) == skips
 
 
+@pytest.mark.slow
 def test_a_skipped_block_adds_its_substitute_and_format_1_heads_add_zero(lm, tmp_path):
     """The substitute reaches the residual stream on a decode step; a head file without one loads with zeros."""
     from safetensors.torch import load_file, save_file
@@ -293,6 +306,7 @@ def test_a_skipped_block_adds_its_substitute_and_format_1_heads_add_zero(lm, tmp
     pruner.detach()
 
 
+@pytest.mark.slow
 def test_tune_mode_runs_the_hard_decisions_and_passes_gradients_to_the_head(lm):
     """Forward: exactly mask mode (hard flags, substitutes). Backward: the head's weights and substitutes get a
     gradient through the straight-through keep flags."""
@@ -319,6 +333,7 @@ def test_tune_mode_runs_the_hard_decisions_and_passes_gradients_to_the_head(lm):
     pruner.detach()
 
 
+@pytest.mark.slow
 def test_tuning_raises_the_skip_rate_toward_its_target_and_refuses_bad_targets(lm):
     import copy
 
@@ -348,6 +363,7 @@ def test_tuning_raises_the_skip_rate_toward_its_target_and_refuses_bad_targets(l
     pruner.detach()
 
 
+@pytest.mark.slow
 def test_calibrate_tunes_an_initial_head_without_labels_and_scores_every_candidate(lm, monkeypatch, tmp_path):
     import runtime.pruning.calibrate as calibration
 
@@ -382,6 +398,7 @@ def test_candidate_rule_meets_the_target_first_then_skips_more_within_a_tie(row,
     assert _better(row, best, 0.95) is wins
 
 
+@pytest.mark.slow
 def test_a_pruner_is_reused_for_an_equal_head_but_not_for_a_changed_copy(lm, tmp_path):
     import copy
 

@@ -154,6 +154,7 @@ def test_missing_ray_says_how_to_install_it(monkeypatch, tmp_path):
 
 
 # ---- compiling ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_model_stages_become_actor_pools_with_the_spec_resources(ray_cluster):
     import ray.data
 
@@ -175,6 +176,7 @@ def test_model_stages_become_actor_pools_with_the_spec_resources(ray_cluster):
 
 
 # ---- running -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_pdf_extract_gives_the_local_rows_including_error_rows(ray_cluster, tmp_path):
     docs = tmp_path / "pdfs"
     docs.mkdir()
@@ -190,6 +192,7 @@ def test_pdf_extract_gives_the_local_rows_including_error_rows(ray_cluster, tmp_
         assert getattr(on_ray, attr) == getattr(local, attr), attr
 
 
+@pytest.mark.slow
 def test_documents_stay_whole_and_multi_input_stages_get_both_tables(ray_cluster, tmp_path):
     import ray.data
 
@@ -217,6 +220,7 @@ def test_documents_stay_whole_and_multi_input_stages_get_both_tables(ray_cluster
     assert report.exit_code == local.exit_code == 3
 
 
+@pytest.mark.slow
 def test_a_model_stage_loads_once_per_actor(ray_cluster, tmp_path):
     write_docs(tmp_path / "docs", 12)
     log = tmp_path / "loads.log"
@@ -230,6 +234,7 @@ def test_a_model_stage_loads_once_per_actor(ray_cluster, tmp_path):
     assert os.getpid() not in loaded_by  # the driver never loads a model
 
 
+@pytest.mark.slow
 def test_cache_is_shared_with_the_local_engine(ray_cluster, tmp_path):
     write_docs(tmp_path / "docs", 5)
     cache = tmp_path / "cache"
@@ -240,6 +245,7 @@ def test_cache_is_shared_with_the_local_engine(ray_cluster, tmp_path):
         _sorted(local.tables["counts"], ["doc_id", "page"]))
 
 
+@pytest.mark.slow
 def test_a_stage_that_cannot_set_up_stops_the_run(ray_cluster, tmp_path):
     write_docs(tmp_path / "docs", 2)
     pipe = Pipeline.from_yaml(MODEL_YAML.replace("LOG", str(tmp_path / "log")))
@@ -251,6 +257,7 @@ def test_a_stage_that_cannot_set_up_stops_the_run(ray_cluster, tmp_path):
 
 
 # ---- the command line ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_engine_ray_exit_codes(ray_cluster, tmp_path):
     write_docs(tmp_path / "docs", 3)
     (tmp_path / "toy.yaml").write_text(TOY_YAML)
@@ -272,6 +279,7 @@ def test_cli_engine_ray_exit_codes(ray_cluster, tmp_path):
     assert local_address.exit_code == 2 and "only --engine ray uses" in local_address.output
 
 
+@pytest.mark.slow
 def test_cli_joins_a_running_cluster_with_address(ray_cluster, tmp_path):
     write_docs(tmp_path / "docs", 2, bad=(1,))
     (tmp_path / "toy.yaml").write_text(TOY_YAML)
@@ -287,6 +295,7 @@ def test_cli_joins_a_running_cluster_with_address(ray_cluster, tmp_path):
     assert toy.COUNTS.names == pq.read_table(tmp_path / "o.parquet").schema.names
 
 
+@pytest.mark.slow
 def test_a_source_table_in_memory_with_repeated_batches(ray_cluster, tmp_path):
     write_docs(tmp_path / "docs", 3, bad=(1,))
     once = pa.concat_tables(read_batches([tmp_path / "docs"]))

@@ -29,10 +29,8 @@ SMALL = ReaderConfig(height=20, width=128, patch_width=2, dim=48, depth=1, heads
 
 
 @pytest.fixture(scope="module")
-def decoder():
-    from runtime.loading import load_model
-
-    model, tok = load_model("default", dtype="float32", device="cpu")
+def decoder(smollm2):
+    model, tok = smollm2
     return model.eval(), tok
 
 
@@ -61,6 +59,7 @@ def test_decode_collapses_repeats_and_drops_blanks() -> None:
     assert encode_text("\u4e2d")[0] == UNKNOWN and len(CHARSET) + 1 == UNKNOWN
 
 
+@pytest.mark.slow
 def test_word_groups_are_the_words_of_the_text_layer(decoder, pages) -> None:
     _, tok = decoder
     page = pages[0]
@@ -76,6 +75,7 @@ def test_word_groups_are_the_words_of_the_text_layer(decoder, pages) -> None:
     assert texts == text_words[:len(texts)]
 
 
+@pytest.mark.slow
 def test_place_words_turns_right_words_into_the_hidden_tokens_without_looking_at_them(decoder, pages) -> None:
     _, tok = decoder
     right = total = 0
@@ -94,6 +94,7 @@ def test_place_words_turns_right_words_into_the_hidden_tokens_without_looking_at
     assert total > 50 and right / total > 0.97, (right, total)
 
 
+@pytest.mark.slow
 def test_word_crops_keep_the_word_and_blank_the_rest(pages) -> None:
     page = pages[0]
     ink = ink_image(page.pixels)
@@ -108,6 +109,7 @@ def test_word_crops_keep_the_word_and_blank_the_rest(pages) -> None:
     assert blank.abs().max() == 0.0 and word_crops(ink, gb[:0], SMALL).shape[0] == 0
 
 
+@pytest.mark.slow
 def test_a_reader_learns_to_read_words_it_is_shown(decoder, pages) -> None:
     """A small reader trained for a few hundred steps on one page's words reads most of them back: the crops,
     the CTC loss and the decoding fit together (a broken crop or label alignment keeps accuracy near zero)."""
@@ -123,6 +125,7 @@ def test_a_reader_learns_to_read_words_it_is_shown(decoder, pages) -> None:
     assert after["char_error"] < before["char_error"]
 
 
+@pytest.mark.slow
 def test_read_path_is_identity_at_gate_zero_and_acts_before_read_tokens_only(decoder, pages) -> None:
     model, _ = decoder
     embed = model.get_input_embeddings()
@@ -149,6 +152,7 @@ def test_read_path_is_identity_at_gate_zero_and_acts_before_read_tokens_only(dec
     assert text_only(fused).read_gate.item() == 0.0
 
 
+@pytest.mark.slow
 def test_steer_training_moves_only_the_read_path_and_checkpoints_keep_the_reader(decoder, pages,
                                                                                  tmp_path: Path) -> None:
     model, tok = decoder
@@ -172,6 +176,7 @@ def test_steer_training_moves_only_the_read_path_and_checkpoints_keep_the_reader
     assert checkpoint.load_reader(plain) is None and checkpoint.load(plain)[1].read_gate is None
 
 
+@pytest.mark.slow
 def test_masked_recovery_with_a_reader_reports_its_reads(decoder, pages) -> None:
     model, tok = decoder
     vit, fusion = untrained(SPEC, hidden=HIDDEN)

@@ -201,8 +201,8 @@ def test_no_system_message_falls_back_to_the_models_default(tokenizer):
 # ---------------------------------------------------------------- the real model (slow)
 
 @pytest.fixture(scope="session")
-def model_and_tokenizer():
-    return loading.load_model("default", dtype="float32", device="cpu")
+def model_and_tokenizer(smollm2):
+    return smollm2
 
 
 @pytest.mark.slow

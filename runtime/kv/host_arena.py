@@ -4,7 +4,7 @@ A 128K-token archive of an 8B model is about 15 GB of host memory in some 65,000
 malloc, pieces that size are mapped and unmapped one by one and every 4 KB page is faulted in on first touch, one
 trap at a time, by the packing threads. On the sandboxed GPU machine (gVisor) that made a process's first 128K
 layer-major prefill take 24.2 s, and later ones 20.2-23.7 s, against 18.2-18.4 s with this arena
-(bench/diag_first_prefill.py, bench/RESULTS.md, issue 6). The arena maps ``chunk_bytes`` at a time with
+(bench/experiments/diag_first_prefill.py, bench/RESULTS.md, issue 6). The arena maps ``chunk_bytes`` at a time with
 ``MAP_POPULATE``, so the kernel fills a chunk's pages in one call (the process still counts them as minor faults,
 about 4 million either way), and hands out slices; the archive keeps ``memoryview`` s of them. A chunk goes back
 to the OS when the last block in it is dropped.

@@ -3,10 +3,26 @@
 ``Pruner(model, head, threshold)`` installs gates (``gates.py``); the head (``head.py``) is trained by
 ``calibrate.py`` on labels from ablating each block at each token (``ablation.py``). Sessions take a
 ``pruning:`` block (``config.PruningConfig``); safe mode or threshold 0 is exactly the dense model.
+
+The names below are imported on first use: ``docfuse`` imports this package's ``cli`` module to list its
+commands, and listing commands must not pay for torch.
 """
 
-from runtime.pruning.config import PruningConfig, find_head
-from runtime.pruning.gates import Pruner
-from runtime.pruning.head import DecisionHead
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.pruning.config import PruningConfig, find_head
+    from runtime.pruning.gates import Pruner
+    from runtime.pruning.head import DecisionHead
+
+_WHERE = {"PruningConfig": "config", "find_head": "config", "Pruner": "gates", "DecisionHead": "head"}
 __all__ = ["DecisionHead", "Pruner", "PruningConfig", "find_head"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'runtime.pruning' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"runtime.pruning.{_WHERE[name]}"), name)

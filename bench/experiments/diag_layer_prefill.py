@@ -6,7 +6,7 @@ Same model as bench_gpu_128k.py (Llama-3.1-8B shape, random bf16 weights). Three
 its steps timed one by one by CUDA-synchronised wrappers, with the peak memory each reached), and
 ``layer_major_tiered_overlapped`` (each layer tiered on a side stream while the next computes, as the bench runs it).
 
-Run on the GPU machine:  python3 bench/diag_layer_prefill.py --length 131072 --out $OUT/layer_prefill_diag.json
+Run on the GPU machine:  python3 bench/experiments/diag_layer_prefill.py --length 131072 --out $OUT/layer_prefill_diag.json
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench_gpu_128k import KV, GB, build_model, fresh, prefill, sync_time, timeline_summary  # noqa: E402
+from bench.bench_gpu_128k import KV, GB, build_model, fresh, prefill, sync_time, timeline_summary  # noqa: E402
 from runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
 from runtime.kv import layer as layer_module  # noqa: E402
 from runtime.kv import tiered as tiered_module  # noqa: E402

@@ -16,7 +16,7 @@ beyond the mask vector):
 - ``bigram_hint``: before row j - 1, two inserted rows hold the true embeddings of tokens j - 1 and j: a local
   "t(j-1) is followed by t(j)" that the decoder's copying can use, at two rows per hidden token.
 
-    .venv/bin/python bench/diag_fusion_oracle.py [--pages N] PDF_OR_DIR...
+    .venv/bin/python bench/experiments/diag_fusion_oracle.py [--pages N] PDF_OR_DIR...
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import save  # noqa: E402
 from fusion import checkpoint  # noqa: E402
 from fusion.objective import choose_mask  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--mask-rate", type=float, default=0.15)
     args = ap.parse_args()
     decoder, tok = load_model("default", dtype="float32", device="cpu")
-    _, fusion, vision, _ = checkpoint.load(Path(__file__).resolve().parents[1] / DEFAULT_CHECKPOINT)
+    _, fusion, vision, _ = checkpoint.load(Path(__file__).resolve().parents[2] / DEFAULT_CHECKPOINT)
     pages = [p for p in prepared(read_many(pdf_files(args.pdfs), vision), tok) if not p.tokens.caption]
     totals: dict[str, list[int]] = {}
     used = 0
@@ -102,7 +102,7 @@ def main() -> None:
     result = {k: {"top1": round(r / max(n, 1), 4), "tokens": n} for k, (r, n) in totals.items()}
     print("->", save("fusion_oracle", {"routes": result, "pages": used, "mask_rate": args.mask_rate,
                                        "pdfs": [str(p) for p in pdf_files(args.pdfs)],
-                                       "command": "python bench/diag_fusion_oracle.py " + " ".join(sys.argv[1:])}))
+                                       "command": "python bench/experiments/diag_fusion_oracle.py " + " ".join(sys.argv[1:])}))
 
 
 if __name__ == "__main__":

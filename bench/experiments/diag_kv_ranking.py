@@ -3,9 +3,9 @@
 Same cases as bench_kv.py (same seeds); configurations that keep the byte budget but change the bits, or move
 everything to the core, or widen the association tier.
 
-    .venv/bin/python bench/diag_kv_ranking.py
+    .venv/bin/python bench/experiments/diag_kv_ranking.py
 """
-import sys, time; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sys, time; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from bench import bench_kv as B, kv_cases as K
 from runtime.loading import load_model

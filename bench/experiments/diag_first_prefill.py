@@ -6,7 +6,7 @@ cache (and its host archive) was freed, so the archive's bytes land in host page
 time, its timeline totals and the minor page faults the process took meanwhile. If ``grown`` is as slow as ``first``
 and ``reused`` is fast, the cost is the host faulting in fresh pages for the archive, not a warm-up.
 
-Run on the GPU machine:  python3 bench/diag_first_prefill.py --out $OUT/first_prefill.json
+Run on the GPU machine:  python3 bench/experiments/diag_first_prefill.py --out $OUT/first_prefill.json
 (set GLIBC_TUNABLES or MALLOC_* in the environment to compare allocator settings: the JSON records them).
 """
 
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench_gpu_128k import GB, build_model  # noqa: E402
-from diag_layer_prefill import tiered_prefill  # noqa: E402
+from bench.bench_gpu_128k import GB, build_model  # noqa: E402
+from bench.experiments.diag_layer_prefill import tiered_prefill  # noqa: E402
 from runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
 from runtime.kv.background import ArchiveWriter  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Can a row's input carry "the next token is t" to a frozen causal decoder? A learnt-map ceiling.
 
-bench/diag_fusion_oracle.py shows that adding the true embedding of token j at row j - 1 (what the fusion's
+bench/experiments/diag_fusion_oracle.py shows that adding the true embedding of token j at row j - 1 (what the fusion's
 reading phase teaches its read to be) makes the decoder worse at naming token j: it reads the row as token j
 and predicts what follows it. Here a linear map ``A`` (576 x 576, plus a bias) is learnt so that adding
 ``A @ E[t_j] + b`` at row j - 1 makes the frozen decoder predict t_j, from the true next token (a perfect
@@ -8,10 +8,10 @@ reader). Learnt on training PDFs' pages, measured on held-out pages: if even a p
 linear steering map gains little, the input-side route at the row before a hidden token is closed and the
 image has to reach the decoder another way (the page's text as a prefix it copies from: copy_prefix).
 
-    .venv/bin/python bench/diag_fusion_steering.py --train PDF_OR_DIR... --eval PDF_OR_DIR... [--steps 60]
+    .venv/bin/python bench/experiments/diag_fusion_steering.py --train PDF_OR_DIR... --eval PDF_OR_DIR... [--steps 60]
     # pages read once here (token ids and boxes only), the learning where a GPU is:
-    .venv/bin/python bench/diag_fusion_steering.py --train ... --eval ... --save-pages pages.pt
-    python bench/diag_fusion_steering.py --pages-file pages.pt --model SmolLM2-135M-Instruct.Q4_1.gguf --steps 1500
+    .venv/bin/python bench/experiments/diag_fusion_steering.py --train ... --eval ... --save-pages pages.pt
+    python bench/experiments/diag_fusion_steering.py --pages-file pages.pt --model SmolLM2-135M-Instruct.Q4_1.gguf --steps 1500
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import save  # noqa: E402
 from fusion import checkpoint  # noqa: E402
 from fusion.objective import choose_mask  # noqa: E402
@@ -98,7 +98,7 @@ def main() -> None:
         decoder = decoder.float()
     for p in decoder.parameters():
         p.requires_grad_(False)
-    _, fusion, vision, _ = checkpoint.load(Path(__file__).resolve().parents[1] / DEFAULT_CHECKPOINT, device=device)
+    _, fusion, vision, _ = checkpoint.load(Path(__file__).resolve().parents[2] / DEFAULT_CHECKPOINT, device=device)
     train_pages, eval_pages = load_pages(args, tok, vision)
     if args.save_pages:
         torch.save({"train": train_pages, "eval": eval_pages}, args.save_pages)
@@ -140,7 +140,7 @@ def main() -> None:
     print("->", save("fusion_steering", {
         "held_out_before": before, "held_out_after": after, "train_pages": len(train_pages), "steer": args.steer,
         "eval_pages": len(eval_pages), "log": log, "seconds": round(time.perf_counter() - started, 1),
-        "command": "python bench/diag_fusion_steering.py " + " ".join(sys.argv[1:])}))
+        "command": "python bench/experiments/diag_fusion_steering.py " + " ".join(sys.argv[1:])}))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ that leaves.
 Skipping for every position at once is harsher than decode-time skipping for attention (later tokens then also read
 the skipped positions' changed K/V through deeper layers), so these figures are a lower bound for a decode-time head.
 
-    .venv/bin/python bench/study_block_ablation.py [--windows 4 --tokens 512]
+    .venv/bin/python bench/experiments/study_block_ablation.py [--windows 4 --tokens 512]
 
 Writes bench/results/block_ablation.json. ``--oracle`` instead bounds what any per-token decision head can reach in
 decode: at each greedy decode step (dense history in the cache), every block is skipped alone at that step only, then
@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench import kv_cases  # noqa: E402
 from bench.common import machine, save  # noqa: E402
 from runtime.loading import load_model  # noqa: E402
 from runtime.pruning.ablation import blocks_of as ablation_blocks  # noqa: E402
 
-SAMPLE_PDF = Path(__file__).resolve().parents[1] / "data" / "sample.pdf"
+SAMPLE_PDF = Path(__file__).resolve().parents[2] / "data" / "sample.pdf"
 
 
 def held_out_text() -> tuple[str, str]:
@@ -153,7 +153,7 @@ def main() -> None:
     windows = [w for w in windows if len(w) == args.tokens]
     started = time.perf_counter()
     skipper = Skipper(model)
-    meta = {"command": " ".join([".venv/bin/python bench/study_block_ablation.py", *sys.argv[1:]]),
+    meta = {"command": " ".join([".venv/bin/python bench/experiments/study_block_ablation.py", *sys.argv[1:]]),
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "dtype": str(model.dtype),
             "text": source, "windows": len(windows), "tokens_per_window": args.tokens}
     if args.oracle:

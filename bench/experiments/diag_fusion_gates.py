@@ -1,7 +1,7 @@
 """Which branch of the shipped fusion costs what on held-out pages: each gate zeroed in turn (a diagnosis only;
 the checkpoint ships as trained).
 
-    .venv/bin/python bench/diag_fusion_gates.py PDF_OR_DIR...
+    .venv/bin/python bench/experiments/diag_fusion_gates.py PDF_OR_DIR...
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import save  # noqa: E402
 from fusion import checkpoint  # noqa: E402
 from fusion.evaluate import masked_recovery  # noqa: E402
@@ -26,7 +26,7 @@ VARIANTS = {"trained": (), "no_mlp": ("mlp",), "no_visual_tokens": ("visual",), 
 
 def main() -> None:
     model, tok = load_model("default", dtype="float32", device="cpu")
-    vit, fusion, vision, _ = checkpoint.load(Path(__file__).resolve().parents[1] / DEFAULT_CHECKPOINT)
+    vit, fusion, vision, _ = checkpoint.load(Path(__file__).resolve().parents[2] / DEFAULT_CHECKPOINT)
     pages = prepared(read_many(pdf_files(sys.argv[1:]), vision), tok)
     out = {}
     for name, off in VARIANTS.items():
@@ -39,7 +39,7 @@ def main() -> None:
         out[name] = {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k != "gates"}
         print(name, out[name], flush=True)
     print("->", save("fusion_gate_diagnosis", {"variants": out, "pdfs": [str(p) for p in pdf_files(sys.argv[1:])],
-                                               "command": "python bench/diag_fusion_gates.py " + " ".join(sys.argv[1:])}))
+                                               "command": "python bench/experiments/diag_fusion_gates.py " + " ".join(sys.argv[1:])}))
 
 
 if __name__ == "__main__":

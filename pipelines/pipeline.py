@@ -1,0 +1,38 @@
+"""The public ``Pipeline``: the spec (spec.py) that can also check and run itself.
+
+Why a subclass in its own module: spec.py stays pure data that validation and the executors import; this module
+sits above all of them, so nothing imports in a circle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+
+from pipelines.engines import choose_executor
+from pipelines.executor import RunReport
+from pipelines.spec import PipelineSpec
+from pipelines.validate import validate
+
+
+class Pipeline(PipelineSpec):
+    """A named DAG of stages (see PipelineSpec) with ``validate()`` and ``run()``."""
+
+    def validate(self) -> list[str]:
+        """Every problem, each with its fix; empty when the pipeline can run."""
+        return validate(self)
+
+    def run(self, inputs: Sequence[str | os.PathLike] | pa.Table, output: str | Path | None = None, *,
+            engine: str = "local", cache_dir: str | Path | None = None, batch_docs: int = 8,
+            column: str | None = None, address: str | None = None) -> RunReport:
+        """Run over ``inputs`` (paths, globs, folders, datasets, or a SOURCE table) and return a RunReport.
+
+        With ``output`` the tables go to Parquet there; without, ``report.tables`` holds them. ``engine="ray"``
+        runs on Ray Data (``pip install 'docfuse[ray]'``): on the Ray cluster at ``address``, else on the Ray
+        this process already joined, else on a local Ray it starts, sized to this machine.
+        """
+        executor = choose_executor(self, engine, cache_dir=cache_dir, address=address)
+        return executor.run(inputs, output, batch_docs=batch_docs, column=column)

@@ -1,0 +1,82 @@
+"""Commands beside what they train, mounted into ``docfuse`` through entry points, with one set of defaults."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+import typer
+
+from fusion import cli as fusion_cli
+from fusion.config import CORPUS, TRAIN, TrainConfig
+from fusion.run import parser
+from pipelines import commands
+
+ROOT = Path(__file__).resolve().parents[1]
+MOUNTED = {"train-fusion", "train-fusion-read", "eval-fusion", "calibrate-pruning"}
+
+CLASH = typer.Typer()
+CLASH.command("run")(lambda: None)
+NOT_AN_APP = object()
+
+
+def test_docfuse_lists_the_mounted_commands_without_importing_torch() -> None:
+    code = ("import sys, typer; from pipelines.cli import app; "
+            "print(sorted(typer.main.get_command(app).commands)); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    names, torch_loaded = out.splitlines()
+    assert MOUNTED <= set(eval(names)) and {"run", "validate", "stages", "ask"} <= set(eval(names))
+    assert torch_loaded == "False", "listing commands must not import torch"
+
+
+def test_builtin_commands_load_even_where_the_installed_metadata_lacks_them(monkeypatch) -> None:
+    monkeypatch.setattr(commands, "entry_points", lambda group: [])
+    assert commands.command_entry_points() == list(commands.BUILTIN)
+    listed = [EntryPoint("fusion", "fusion.cli:app", commands.GROUP)]
+    monkeypatch.setattr(commands, "entry_points", lambda group: listed)
+    assert [ep.name for ep in commands.command_entry_points()] == ["fusion", "pruning"]
+
+
+@pytest.mark.parametrize("target, error, message", [
+    ("tests.test_commands:CLASH", ValueError, "command 'run' from entry point 'x = tests.test_commands:CLASH' is "
+                                              "already a docfuse command; rename one"),
+    ("tests.test_commands:NOT_AN_APP", TypeError, "must name a typer.Typer"),
+])
+def test_a_bad_command_entry_point_is_refused_with_the_fix(monkeypatch, target, error, message) -> None:
+    monkeypatch.setattr(commands, "command_entry_points", lambda: [EntryPoint("x", target, commands.GROUP)])
+    app = typer.Typer()
+    app.command("run")(lambda: None)
+    with pytest.raises(error, match=message):
+        commands.mount(app)
+
+
+def test_the_default_training_config_is_the_one_the_shipped_checkpoint_was_trained_with() -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(ROOT / fusion_cli.SHIPPED), "pt") as f:
+        shipped = json.loads(f.metadata()["config"])
+    assert {k: v for k, v in asdict(TrainConfig()).items() if k != "time_budget_s"} == \
+        {k: v for k, v in shipped.items() if k != "time_budget_s"}
+
+
+def _typer_defaults(command: str) -> dict[str, object]:
+    click_command = typer.main.get_command(fusion_cli.app).commands[command]
+    return {p.name: p.default for p in click_command.params}
+
+
+def test_both_ways_into_fusion_training_share_their_defaults() -> None:
+    argparse_defaults = vars(parser().parse_args(["train", "--out", "x.safetensors"]))
+    train = _typer_defaults("train-fusion")
+    for typer_name, argparse_name in [("steps", "steps"), ("batch", "batch"), ("workers", "workers"),
+                                      ("mlp_hidden", "mlp_hidden"), ("read_share", "read_share")]:
+        assert train[typer_name] == argparse_defaults[argparse_name], typer_name
+    assert train["synthetic"] == CORPUS.synthetic_docs and train["mlp_hidden"] == TRAIN.mlp_hidden
+    read = _typer_defaults("train-fusion-read")
+    for name in ("sheets", "reader_minutes", "steer_minutes", "workers", "batch"):
+        assert read[name] == argparse_defaults[name], name
+    assert read["synthetic"] == CORPUS.read_synthetic_docs
