@@ -246,6 +246,7 @@ def summarise(cases: list[dict], answers: dict[str, list[dict]], half: str) -> d
         ok = [r for r in rows if not r["error"]]
         share = [r["kv_device_bytes"] / r["kv_full_bytes"] for r in ok if r["kv_full_bytes"]]
         first = [r for r in ok if r["index"] == 0]
+        long = [r for r in ok if r["decode_tokens_per_s"] and r["prompt_tokens"] >= 6000]
         later = [r for r in ok if r["index"] > 0]
         retier = [r for r in ok if r.get("retier_s") is not None]
         out[name] = {
@@ -259,6 +260,7 @@ def summarise(cases: list[dict], answers: dict[str, list[dict]], half: str) -> d
             "device_share": mean(share) if share else None,
             "decode_tokens_per_s": mean(r["decode_tokens_per_s"] for r in ok if r["decode_tokens_per_s"]) if ok
             else None,
+            "decode_tokens_per_s_6k_plus": mean(r["decode_tokens_per_s"] for r in long) if long else None,
             "ttft_first_s": mean(r["ttft_s"] for r in first) if first else None,
             "ttft_later_s": mean(r["ttft_s"] for r in later) if later else None,
             "retier_s": mean(r["retier_s"] for r in retier) if retier else None,
