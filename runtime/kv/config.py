@@ -40,7 +40,10 @@ class KVConfig(BaseModel):
     #: pages the summaries nominate (runtime.kv.votes); ``pages``: rank whole pages by their summaries alone.
     scoring: Literal["tokens", "pages"] = "tokens"
     #: Background tokens per head whose pages the summaries nominate for exact scoring at a re-tier (count or fraction).
-    candidate_tokens: int | float = 0.25
+    #: 1.0 (the default) scores every token from its exact key, read from the host archive once per layer: the tiers
+    #: then do not depend on what the last question left, and a layer-major prefill tiers exactly as a token-major one
+    #: (bench/RESULTS.md, issue 29). Lower values read less of the archive and rank the rest by page summaries.
+    candidate_tokens: int | float = 1.0
     #: Width of the average pool that spreads each token's vote to its neighbours (odd; 1 = no pooling): a needle's
     #: value sits beside the words the question attends to, and the answer copies it through heads that the question
     #: barely used. 15 lost no case of the needle benchmark where 7 lost one (bench/RESULTS.md, issue 3).
