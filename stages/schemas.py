@@ -1,4 +1,4 @@
-"""Arrow schemas shared between stages: the data contracts of ARCHITECTURE.md.
+"""Arrow schemas shared between stages: the data contracts of docs/ARCHITECTURE.md.
 
 Coordinates are PDF points, origin at the page's top left. Every table carries ``doc_id`` and, where it
 applies, ``page`` (0-based), and ends with ``error`` (null on good rows, ``"kind: message"`` on bad ones).
