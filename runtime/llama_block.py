@@ -28,8 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.kv.queries import rotate_half
-
 #: The cache hook: ``q`` [B, T, Hq, D], ``k`` and ``v`` [B, T, Hkv, D] as projected (after q/k norms where the model
 #: has them, before RoPE) -> attention output [B, T, Hq, D]. It rotates q and k, stores k and v wherever its caller
 #: keeps the layer's cache, and attends over what that cache holds.
@@ -44,6 +42,12 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 def norm_eps(norm: torch.nn.Module) -> float:
     """An RMSNorm module's epsilon, whichever name the model gives it."""
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x2, x1]`` of the two halves of the last axis: RoPE's rotation by 90 degrees in transformers' layout."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
