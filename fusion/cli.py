@@ -55,15 +55,6 @@ def _existing_checkpoint(given: Path, flag: str, how: str) -> Path:
     return path
 
 
-def _decoder(model: str, dtype: str | None = None) -> tuple[object, object]:
-    """The frozen decoder: fp32 on CPU, bf16 on CUDA, unless ``dtype`` says otherwise."""
-    import torch
-
-    from runtime.loading import load_model
-
-    return load_model(model, dtype=dtype or ("bfloat16" if torch.cuda.is_available() else "float32"))
-
-
 def _command() -> str:
     return " ".join(["docfuse", *sys.argv[1:]])
 
@@ -98,9 +89,9 @@ def train_fusion(
         fail("nothing to train on: give --corpus PDFs or --synthetic N")
     if not 0.0 <= read_share < 1.0:
         fail(f"--read-share {read_share}: give a share in [0, 1); the rest of the budget trains the full objective")
-    from fusion.run import train_from_pdfs
+    from fusion.run import load_decoder, train_from_pdfs
 
-    lm, tokenizer = _decoder(model)
+    lm, tokenizer = load_decoder(model)
     config = TrainConfig(steps=steps, batch_pages=batch, time_budget_s=minutes * 60 if minutes else None,
                          mlp_hidden=mlp_hidden, read_share=read_share)
     try:
@@ -139,9 +130,9 @@ def train_fusion_read(
     held_out = pdfs_or_fail(eval_corpus, "--eval") if eval_corpus else []
     if not train_set and synthetic <= 0:
         fail("nothing to train the read path on: give --corpus PDFs or --synthetic N")
-    from fusion.run import read_path
+    from fusion.run import load_decoder, read_path
 
-    lm, tokenizer = _decoder(model)
+    lm, tokenizer = load_decoder(model)
     try:
         summary = read_path(lm, tokenizer, init=init_path, out=out, corpus=train_set, eval_corpus=held_out,
                             sheets=sheets, synthetic_docs=synthetic, reader_from=reader_from, workers=workers,
@@ -164,9 +155,9 @@ def eval_fusion(
     """Masked-token recovery with the fusion vs text-only on the text pages of PDFs."""
     files = pdfs_or_fail(pdfs, "PDF")
     path = _existing_checkpoint(checkpoint, "--checkpoint", "make one with `docfuse train-fusion`")
-    from fusion.run import evaluate_pdfs
+    from fusion.run import evaluate_pdfs, load_decoder
 
-    lm, tokenizer = _decoder(model, "float32")
+    lm, tokenizer = load_decoder(model, dtype="float32")
     try:
         report = evaluate_pdfs(lm, tokenizer, path, files, mask_rate=mask_rate)
     except ValueError as exc:

@@ -127,16 +127,16 @@ def pack(src: Path, out: Path) -> Path:
     return checkpoint.save(out, vit, fusion, vision, meta["decoder"], reader=reader, **extra)
 
 
-def load_decoder(name: str, device: str) -> tuple[Any, Any]:
-    """A causal LM (folder or .gguf) with transformers alone, in bf16 on CUDA, fp32 on CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_decoder(name: str = "default", device: str | None = None, dtype: str | None = None) -> tuple[Any, Any]:
+    """The frozen decoder and its tokenizer, through runtime.loading's loader (``default``, a folder or a .gguf).
 
-    path = Path(name)
-    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    folder = path.parent if path.suffix == ".gguf" else path
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device)
-    return model, AutoTokenizer.from_pretrained(folder, **kwargs)
+    On CUDA when present (``device=None``), in bf16 there and in fp32 on CPU unless ``dtype`` says otherwise:
+    training keeps fp32 on CPU even where the CPU computes bf16, which load_model's ``auto`` would pick.
+    """
+    from runtime.loading import load_model, resolve_device
+
+    device = resolve_device(device)
+    return load_model(name, dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"), device=device)
 
 
 def read_path_pages(tokenizer: Any, vision: VisionSpec, corpus: Sequence[str | Path], eval_corpus: Sequence[str | Path],
@@ -228,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fusion.run")
     ap.add_argument("verb", choices=["train", "pack", "read", "reader"])
     ap.add_argument("src", nargs="?", type=Path, help="pack: the checkpoint to re-save")
-    ap.add_argument("--model", help="decoder: a Hugging Face folder or a .gguf file")
+    ap.add_argument("--model", default="default", help="decoder: 'default', a Hugging Face folder or a .gguf file")
     ap.add_argument("--corpus", nargs="*", default=[])
     ap.add_argument("--eval-corpus", nargs="*", default=[])
     ap.add_argument("--synthetic", type=int, default=None,
@@ -282,8 +282,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             config=reader_config, command=command)
         print(json.dumps(summary["held_out"], indent=1))
         return
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    decoder, tokenizer = load_decoder(args.model, device)
+    decoder, tokenizer = load_decoder(args.model)
     if args.verb == "read":
         if args.init is None:
             raise SystemExit("read needs --init CHECKPOINT: the fusion that gets a read path")

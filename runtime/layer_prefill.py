@@ -13,8 +13,9 @@ Peak device memory: weights + the hidden-state buffer (``L x hidden``) + one lay
 the tiers of the layers already done, instead of weights + the full cache of every layer.
 
 Llama-family decoders (``model.model.layers`` with ``self_attn.{q,k,v,o}_proj``, optional ``q_norm``/``k_norm``,
-``input_layernorm``, ``post_attention_layernorm``, ``mlp``) are supported; the forward is written out here, one
-block at a time, so nothing depends on transformers' internal call signatures.
+``input_layernorm``, ``post_attention_layernorm``, a SwiGLU ``mlp``) are supported. Each layer runs
+:class:`~runtime.llama_block.LlamaBlock`, the one explicit block the decode step runs too, so nothing depends on
+transformers' internal call signatures; what is the prefill's own is the attention hook, :class:`DocumentAttention`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kv.background import ArchiveWriter
-from runtime.kv.queries import rotate_half
 from runtime.kv.tiered import TieredCache
+from runtime.llama_block import LlamaBlock, rope
 
 #: GIL hand-off interval (s) while helper threads run beside the layer loop (Python's default is 5 ms).
 HANDOFF_S = 1e-4
@@ -56,9 +57,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The block inside a pruning gate (runtime.pruning.gates wraps attention and MLP modules)."""
-    return getattr(module, "inner", module)
+class DocumentAttention:
+    """The layer-major prefill's attention hook for one layer (a :data:`~runtime.llama_block.Attention`).
+
+    The chunks of the document come in order; each one's K/V (after RoPE at its positions) go into the layer's
+    full-length ``keys``/``values`` buffers [B, Hkv, L, D], and its queries attend causally over every token of the
+    layer so far. The queries of the last ``last`` positions are kept: they rank the tokens when the layer is tiered.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                 last: int) -> None:
+        self.keys, self.values = keys, values
+        self.cos, self.sin = cos, sin  # [1, 1, L, D]
+        self.scale, self.last = scale, last
+        self.filled = 0
+        self.last_queries: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = self.filled
+        e = s + q.shape[1]
+        c, si = self.cos[:, :, s:e], self.sin[:, :, s:e]
+        q = rope(q.transpose(1, 2), c, si)
+        self.keys[:, :, s:e] = rope(k.transpose(1, 2), c, si)
+        self.values[:, :, s:e] = v.transpose(1, 2)
+        self.filled = e
+        out = causal_attention(q, self.keys[:, :, :e], self.values[:, :, :e], self.scale)
+        recent = q[:, :, -self.last:]
+        kept = self.last_queries
+        self.last_queries = recent if kept is None else torch.cat([kept, recent], dim=2)[:, :, -self.last:]
+        return out.transpose(1, 2)
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -66,6 +93,9 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     if not all(hasattr(base, name) for name in ("layers", "rotary_emb", "norm")):
         raise ValueError(f"layer-major prefill needs a Llama-family decoder (model.model.layers, rotary_emb, norm); "
                          f"{type(model).__name__} has none: prefill it through the model in chunks instead")
+    if not all(LlamaBlock.fits(layer) for layer in base.layers):
+        raise ValueError(f"{type(model).__name__}'s decoder layers are not the Llama block (attention with q/k/v/o "
+                         "projections, SwiGLU MLP with SiLU): prefill it through the model in chunks instead")
     return base
 
 
@@ -171,37 +201,21 @@ def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writ
     b, length, _ = hidden.shape
     pending: Future | None = None
     events = []
-    for index, block in enumerate(base.layers[: len(cache.layers)]):
+    for index, layer in enumerate(base.layers[: len(cache.layers)]):
         record: dict[str, float] = {}
         if timeline is not None:
             timeline.append(record)
             if hidden.is_cuda:
                 events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                 events[-1][0].record()
-        attn, mlp = _unwrap(block.self_attn), _unwrap(block.mlp)
-        d = attn.head_dim
-        kv_heads = attn.k_proj.out_features // d
-        keys = hidden.new_empty(b, kv_heads, length, d)
-        values = hidden.new_empty(b, kv_heads, length, d)
-        last_queries = None
+        block = LlamaBlock(layer)
+        keys = hidden.new_empty(b, block.kv_heads, length, block.head_dim)
+        values = hidden.new_empty(b, block.kv_heads, length, block.head_dim)
+        attend = DocumentAttention(keys, values, cos, sin, block.scaling, m)
         for s in range(0, length, chunk):
-            e = min(length, s + chunk)
-            x = hidden[:, s:e]
-            h = block.input_layernorm(x)
-            q = attn.q_proj(h).view(b, e - s, -1, d)
-            k = attn.k_proj(h).view(b, e - s, -1, d)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            c, si = cos[:, :, s:e], sin[:, :, s:e]
-            q = q * c + rotate_half(q) * si
-            keys[:, :, s:e] = k * c + rotate_half(k) * si
-            values[:, :, s:e] = attn.v_proj(h).view(b, e - s, -1, d).transpose(1, 2)
-            out = causal_attention(q, keys[:, :, :e], values[:, :, :e], attn.scaling)
-            recent = q[:, :, -m:]
-            last_queries = recent if last_queries is None else torch.cat([last_queries, recent], dim=2)[:, :, -m:]
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, e - s, -1))
-            hidden[:, s:e] = x + mlp(block.post_attention_layernorm(x))
+            x, delta = block.forward(hidden[:, s: s + chunk], None, attend)
+            hidden[:, s: s + chunk] = x + delta
+        last_queries = attend.last_queries
         if events:
             events[-1][1].record()
         if side is None:
@@ -215,7 +229,7 @@ def _layers(model, base, cache, hidden, cos, sin, chunk, m, host_positions, writ
             record["wait"] = time.perf_counter() - t0
             pending = tiering.submit(_tier_beside, cache, index, keys, values, host_positions, writer, last_queries,
                                      ready, side, torch.cuda.current_stream(), record)
-        del keys, values
+        del keys, values, attend
     if pending is not None:
         pending.result()
         torch.cuda.current_stream().wait_stream(side)

@@ -73,10 +73,44 @@ def test_both_ways_into_fusion_training_share_their_defaults() -> None:
     argparse_defaults = vars(parser().parse_args(["train", "--out", "x.safetensors"]))
     train = _typer_defaults("train-fusion")
     for typer_name, argparse_name in [("steps", "steps"), ("batch", "batch"), ("workers", "workers"),
-                                      ("mlp_hidden", "mlp_hidden"), ("read_share", "read_share")]:
+                                      ("mlp_hidden", "mlp_hidden"), ("read_share", "read_share"), ("model", "model")]:
         assert train[typer_name] == argparse_defaults[argparse_name], typer_name
     assert train["synthetic"] == CORPUS.synthetic_docs and train["mlp_hidden"] == TRAIN.mlp_hidden
     read = _typer_defaults("train-fusion-read")
     for name in ("sheets", "reader_minutes", "steer_minutes", "workers", "batch"):
         assert read[name] == argparse_defaults[name], name
     assert read["synthetic"] == CORPUS.read_synthetic_docs
+
+
+def test_both_ways_into_fusion_load_the_decoder_through_runtimes_one_loader(monkeypatch) -> None:
+    import torch
+    from typer.testing import CliRunner
+
+    from fusion import run
+    from runtime import loading
+
+    calls: list[tuple[str, str, str]] = []
+    monkeypatch.setattr(loading, "load_model", lambda name, dtype, device: calls.append((name, dtype, device)) or
+                        ("lm", "tok"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run.load_decoder("m") == ("lm", "tok")
+    run.load_decoder("m", device="cuda")
+    run.load_decoder("m", device="cuda", dtype="float32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    run.load_decoder()
+    assert calls == [("m", "float32", "cpu"), ("m", "bfloat16", "cuda"), ("m", "float32", "cuda"),
+                     ("default", "bfloat16", "cuda")]
+
+    class Loaded(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        calls.append(("loader", args, kwargs))
+        raise Loaded
+
+    monkeypatch.setattr(run, "load_decoder", refuse)
+    result = CliRunner().invoke(fusion_cli.app, ["eval-fusion", str(ROOT / "data" / "sample.pdf")])
+    assert isinstance(result.exception, Loaded) and calls[-1] == ("loader", ("default",), {"dtype": "float32"})
+    with pytest.raises(Loaded):
+        run.main(["train", "--out", "x.safetensors", "--synthetic", "0"])
+    assert calls[-1] == ("loader", ("default",), {})

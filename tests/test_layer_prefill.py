@@ -303,8 +303,8 @@ def test_the_gil_hands_off_quickly_while_helper_threads_run_and_the_setting_come
 
     model = tiny(layers=2)
     seen: list[float] = []
-    norm = model.model.layers[1].input_layernorm
-    handle = norm.register_forward_hook(lambda *_: seen.append(sys.getswitchinterval()))
+    proj = model.model.layers[1].self_attn.q_proj  # called while layer 1 computes
+    handle = proj.register_forward_hook(lambda *_: seen.append(sys.getswitchinterval()))
     before = sys.getswitchinterval()
     try:
         with ArchiveWriter(workers=2) as writer:

@@ -5,10 +5,10 @@ the new token is written at a device-side index, the attention kernel reads the 
 position, token, index and length advance on the device, so one captured step can be replayed for every token.
 The host-side counters of the cache catch up in :meth:`StaticDecode.close`.
 
-The forward of a Llama-family decoder is spelled out here (as in :mod:`runtime.layer_prefill`) so that each layer is
-about fourteen kernels: fused residual-add + RMSNorm, the q/k/v products, one RoPE kernel that also writes K/V into
-the core, the tier kernel and its split merge, o, fused add + RMSNorm, gate and up, SiLU times up, down
-(:mod:`runtime.gpu.fused_ops`). Going through transformers' modules instead costs some forty-five launches a layer;
+Each layer runs :class:`~runtime.llama_block.LlamaBlock` (the one explicit block, which the layer-major prefill runs
+too) with fused kernels and the tier attention hook, so that a layer is about fourteen kernels: fused residual-add +
+RMSNorm, the q/k/v products, one RoPE kernel that also writes K/V into the core, the tier kernel and its split
+merge, o, fused add + RMSNorm, gate and up, SiLU times up, down (:mod:`runtime.gpu.fused_ops`). Going through transformers' modules instead costs some forty-five launches a layer;
 that path (``explicit=False``) stays for models whose blocks this forward does not know.
 
 Pruning (documented fallback): a per-step decision would need a host sync and a branch, which a captured graph
@@ -30,41 +30,48 @@ from runtime.gpu import fused_ops
 from runtime.gpu.attention_kernel import HAS_TRITON, tiered_decode_attention
 from runtime.gpu.kernel_cache import GRAPH_ATTN_NAME, KernelTieredCache, KernelTieredLayer, register_attention
 from runtime.gpu.reference import tiered_decode_reference
+from runtime.llama_block import Kernels, LlamaBlock, norm_eps, unwrap
 
 
-def _inner(module: torch.nn.Module) -> torch.nn.Module:
-    """The block inside a pruning gate (runtime.pruning.gates wraps attention and MLP modules)."""
-    return getattr(module, "inner", module)
+#: The decode step's elementwise kernels: one Triton kernel each on CUDA, the block's torch math elsewhere.
+FUSED = Kernels(fused_ops.add_rms_norm, fused_ops.silu_mul)
 
 
 def explicit_supported(model: Any) -> bool:
-    """Whether :func:`explicit_forward` knows this model's blocks (Llama-style attention, gated SiLU MLP)."""
+    """Whether :func:`explicit_forward` knows this model's blocks (the Llama block without q/k norms, which the
+    fused RoPE kernel does not apply)."""
     base = getattr(model, "model", None)
     if base is None or not all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return False
-    for block in base.layers:
-        attn, mlp = _inner(block.self_attn), _inner(block.mlp)
-        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
-            return False
-        if hasattr(attn, "q_norm") or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return False
-        if getattr(getattr(mlp, "config", None), "hidden_act", "silu") != "silu":
-            return False
-    return True
+    return all(LlamaBlock.fits(block) and not hasattr(unwrap(block.self_attn), "q_norm") for block in base.layers)
 
 
-def _eps(norm: torch.nn.Module) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+class TierAttention:
+    """The decode step's attention hook for one layer (a :data:`~runtime.llama_block.Attention`).
 
+    One RoPE kernel rotates q and k and writes k and v into the layer's core at the device-side ``graph_slot``; the
+    tier kernel then attends over the association tier and the core up to the device-side ``graph_count``. Off CUDA
+    the same steps run in torch.
+    """
 
-def _attend(layer: KernelTieredLayer, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention over the layer's tiers with the core length read from the device."""
-    assoc = layer.assoc if layer.n_assoc else None
-    if HAS_TRITON and q.is_cuda:
-        return tiered_decode_attention(q, layer.keys, layer.values, layer.keys.shape[2], assoc, scale,
-                                       core_count=layer.graph_count)
-    n_core = int(layer.graph_count.item())  # off the GPU nothing is captured: a host read is fine
-    return tiered_decode_reference(q, layer.keys, layer.values, n_core, assoc, scale).to(q.dtype)
+    def __init__(self, layer: KernelTieredLayer, cos: torch.Tensor, sin: torch.Tensor, scale: float) -> None:
+        self.layer, self.cos, self.sin, self.scale = layer, cos, sin, scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        q = fused_ops.rope_write(q[:, 0], k[:, 0], v[:, 0], self.cos, self.sin, layer.keys, layer.values,
+                                 layer.graph_slot)
+        return self._attend(q).unsqueeze(1)
+
+    def _attend(self, q: torch.Tensor) -> torch.Tensor:
+        """Decode attention of q [B, Hq, D] over the layer's tiers, the core length read from the device."""
+        layer = self.layer
+        assoc = layer.assoc if layer.n_assoc else None
+        if HAS_TRITON and q.is_cuda:
+            return tiered_decode_attention(q, layer.keys, layer.values, layer.keys.shape[2], assoc, self.scale,
+                                           core_count=layer.graph_count)
+        n_core = int(layer.graph_count.item())  # off the GPU nothing is captured: a host read is fine
+        return tiered_decode_reference(q, layer.keys, layer.values, n_core, assoc, self.scale).to(q.dtype)
 
 
 def explicit_forward(model: Any, cache: KernelTieredCache, tok: torch.Tensor, pos: torch.Tensor,
@@ -73,26 +80,13 @@ def explicit_forward(model: Any, cache: KernelTieredCache, tok: torch.Tensor, po
     ``graph_slot``. Same function as ``model(input_ids=tok, ...)`` over the same tiers, within bf16 rounding."""
     base = model.model
     x = base.embed_tokens(tok)  # [B, 1, hidden]
-    b = x.shape[0]
     cos, sin = base.rotary_emb(x, position_ids=pos)  # [1, 1, D]
     cos, sin = cos[:, 0], sin[:, 0]
     delta = None
-    for i, (block, layer) in enumerate(zip(base.layers, cache.layers)):
-        attn, mlp = _inner(block.self_attn), _inner(block.mlp)
-        h, x = fused_ops.add_rms_norm(x, delta, block.input_layernorm.weight, _eps(block.input_layernorm))
-        d = attn.head_dim
-        q = attn.q_proj(h).view(b, -1, d)
-        k = attn.k_proj(h).view(b, -1, d)
-        v = attn.v_proj(h).view(b, -1, d)
-        q = fused_ops.rope_write(q, k, v, cos, sin, layer.keys, layer.values, layer.graph_slot)
-        out = _attend(layer, q, attn.scaling)
-        delta = attn.o_proj(out.reshape(b, 1, -1))
-        if i in skip_mlp:
-            continue
-        h, x = fused_ops.add_rms_norm(x, delta, block.post_attention_layernorm.weight,
-                                      _eps(block.post_attention_layernorm))
-        delta = mlp.down_proj(fused_ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-    h, _ = fused_ops.add_rms_norm(x, delta, base.norm.weight, _eps(base.norm))
+    for i, (layer, tiers) in enumerate(zip(base.layers, cache.layers)):
+        block = LlamaBlock(layer, FUSED)
+        x, delta = block.forward(x, delta, TierAttention(tiers, cos, sin, block.scaling), skip_mlp=i in skip_mlp)
+    h, _ = fused_ops.add_rms_norm(x, delta, base.norm.weight, norm_eps(base.norm))
     return model.lm_head(h)[:, -1]
 
 

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from runtime import llama_block
 from runtime.gpu.triton_support import HAS_TRITON, tl, triton
 
 
@@ -36,10 +37,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     Returns ``(normed, residual)``, both shaped like ``x`` ``[..., hidden]``.
     """
     if not _use_triton(x):
-        res = x if delta is None else x + delta
-        h = res.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(x.dtype), res
+        return llama_block.add_rms_norm(x, delta, weight, eps)
     n = x.shape[-1]
     rows = x.numel() // n
     x2 = x.reshape(rows, n)
@@ -83,7 +81,7 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` as a LlamaMLP computes it (SiLU rounded to the dtype first)."""
     if not _use_triton(gate):
-        return torch.nn.functional.silu(gate) * up
+        return llama_block.silu_mul(gate, up)
     n = gate.numel()
     out = torch.empty_like(gate)
     block = 2048

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
+from runtime.llama_block import rope
+
 
 class QuerySink(Protocol):
     """What a cache offers to receive queries (TieredCache and SnapKVCache do)."""
@@ -21,11 +23,6 @@ class QuerySink(Protocol):
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
     def record_query(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor) -> None: ...
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -44,7 +41,7 @@ def _hook(cache: QuerySink, limit: int):
                 q = module.q_norm(q)
             q = q.transpose(1, 2)
             c, s = cos[:, -m:].unsqueeze(1), sin[:, -m:].unsqueeze(1)
-            q = q * c + rotate_half(q) * s
+            q = rope(q, c, s)
         start = cache.get_seq_length(module.layer_idx) + t - m
         cache.record_query(module.layer_idx, q.detach(), torch.arange(start, start + m))
 

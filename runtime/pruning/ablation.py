@@ -7,7 +7,8 @@ the dense keys of earlier positions plus its own key at the current position. Th
 a dense history, for all positions of the window at once, so one pass per block labels every token
 (``tests/test_pruning.py`` checks it against real decode-step ablation).
 
-Llama-family decoders only (pre-norm, ``input_layernorm`` / ``post_attention_layernorm``, rotary positions).
+Llama-family decoders only: each layer runs :class:`~runtime.llama_block.LlamaBlock` (the block the prefill and the
+decode step run) with a two-stream attention hook.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.kv.queries import rotate_half
+from runtime.llama_block import LlamaBlock, rope, unwrap
 
 
 def blocks_of(num_layers: int) -> list[tuple[str, int]]:
@@ -38,19 +39,6 @@ class DenseTrace:
     sin: torch.Tensor
 
 
-def _project(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [H, T, D], k and v [KVH, T, D] of hidden states ``x`` [T, hidden], with RoPE (and q/k norms if any)."""
-    t, d = x.shape[0], attn.head_dim
-    q = attn.q_proj(x).view(t, -1, d)
-    k = attn.k_proj(x).view(t, -1, d)
-    v = attn.v_proj(x).view(t, -1, d).transpose(0, 1)
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = q.transpose(0, 1), k.transpose(0, 1)
-    c, s = cos.unsqueeze(0), sin.unsqueeze(0)
-    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v
-
-
 def _two_stream_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, k_hist: torch.Tensor,
                           v_hist: torch.Tensor, scaling: float) -> torch.Tensor:
     """Position t attends to the history's positions < t and to its own (k_self, v_self) at t. Returns [T, H*D]."""
@@ -67,9 +55,28 @@ def _two_stream_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
     return out.to(q.dtype).reshape(h, t, d).transpose(0, 1).reshape(t, h * d)
 
 
-def _parts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A layer's attention and MLP modules, seen through pruning gates if the model has them."""
-    return getattr(layer.self_attn, "inner", layer.self_attn), getattr(layer.mlp, "inner", layer.mlp)
+class _TwoStream:
+    """The ablated stream's attention hook (a :data:`~runtime.llama_block.Attention`) over one window [T] (batch 1).
+
+    It rotates q and k at the window's positions, keeps the stream's own K/V (``keys``, ``values`` [KVH, T, D]) and
+    attends with :func:`_two_stream_attention` over ``history`` (the dense pass's K/V of this layer) or, for the
+    dense pass itself, over its own.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, scaling: float,
+                 history: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.cos, self.sin = cos[None, None], sin[None, None]  # [T, D] -> [1, 1, T, D]
+        self.scaling, self.history = scaling, history
+        self.keys = self.values = torch.empty(0)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t, d = q.shape[1], q.shape[3]
+        q = rope(q.transpose(1, 2), self.cos, self.sin)[0]
+        self.keys = rope(k.transpose(1, 2), self.cos, self.sin)[0]
+        self.values = v.transpose(1, 2)[0]
+        k_hist, v_hist = self.history or (self.keys, self.values)
+        out = _two_stream_attention(q, self.keys, self.values, k_hist, v_hist, self.scaling)
+        return out.view(1, t, -1, d)
 
 
 def _finish(model: torch.nn.Module, residual: torch.Tensor) -> torch.Tensor:
@@ -86,15 +93,15 @@ def dense_trace(model: torch.nn.Module, ids: torch.Tensor) -> DenseTrace:
     h = h[0]
     trace = DenseTrace([], [], [], [], torch.empty(0), cos, sin)
     for layer in inner.layers:
-        attn, mlp = _parts(layer)
+        block = LlamaBlock(layer)
         trace.residual_in.append(h)
-        q, k, v = _project(attn, layer.input_layernorm(h), cos, sin)
         # the same arithmetic as the ablated streams, so a block whose skip changes nothing costs exactly 0
-        h = h + attn.o_proj(_two_stream_attention(q, k, v, k, v, attn.scaling))
-        trace.after_attn.append(h)
-        trace.keys.append(k)
-        trace.values.append(v)
-        h = h + mlp(layer.post_attention_layernorm(h))
+        attend = _TwoStream(cos, sin, block.scaling)
+        after_attn, mlp_out = block.forward(h[None], None, attend)  # the stream is (after attention, MLP's output)
+        trace.after_attn.append(after_attn[0])
+        trace.keys.append(attend.keys)
+        trace.values.append(attend.values)
+        h = (after_attn + mlp_out)[0]
     trace.residual_in.append(h)
     trace.log_probs = _finish(model, h)
     return trace
@@ -110,18 +117,17 @@ def ablated_log_probs(model: torch.nn.Module, trace: DenseTrace, block: tuple[st
     kind, first = block if block is not None else ("none", 0)
     if kind == "attn":  # the block's output is zero; its K/V are the dense ones (same input)
         h = trace.residual_in[first]
-        h = h + _parts(layers[first])[1](layers[first].post_attention_layernorm(h))
+        h = h + unwrap(layers[first].mlp)(layers[first].post_attention_layernorm(h))
     elif kind == "mlp":
         h = trace.after_attn[first]
     else:
         h = trace.residual_in[0]
         first = -1
     for i in range(first + 1, len(layers)):
-        layer = layers[i]
-        attn, mlp = _parts(layer)
-        q, k, v = _project(attn, layer.input_layernorm(h), trace.cos, trace.sin)
-        h = h + attn.o_proj(_two_stream_attention(q, k, v, trace.keys[i], trace.values[i], attn.scaling))
-        h = h + mlp(layer.post_attention_layernorm(h))
+        block = LlamaBlock(layers[i])
+        attend = _TwoStream(trace.cos, trace.sin, block.scaling, (trace.keys[i], trace.values[i]))
+        x, delta = block.forward(h[None], None, attend)
+        h = (x + delta)[0]
     return _finish(model, h)
 
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from runtime.kv.queries import rotate_half
+from runtime.llama_block import rope
 from runtime.pruning.head import DecisionHead
 
 Mode = Literal["off", "decode", "mask", "tune"]
@@ -42,7 +42,7 @@ def store_kv(attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[t
     k = k.transpose(1, 2)
     v = attn.v_proj(hidden).view(b, t, -1, attn.head_dim).transpose(1, 2)
     cos, sin = (x.unsqueeze(1) for x in position_embeddings)
-    k = (k * cos) + (rotate_half(k) * sin)
+    k = rope(k, cos, sin)
     if hasattr(cache, "store"):  # TieredCache: append without expanding the association tier for a read
         cache.store(k, v, attn.layer_idx)
     else:
