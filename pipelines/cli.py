@@ -26,10 +26,11 @@ from pipelines.engines import choose_executor
 from pipelines.executor import RunReport, StageSetupError
 from pipelines.executor_ray import RayUnavailable
 from pipelines.pipeline import Pipeline
+from pipelines.planning import make_plan
 from pipelines.registry import all_stages
 from pipelines.sources import InputError, count
 from pipelines.spec import builtin_pipelines
-from pipelines.validate import PipelineInvalid, validate
+from pipelines.validate import PipelineInvalid, check
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="docfuse: declarative pipelines that turn "
                   "long documents into answers.")
@@ -120,11 +121,13 @@ def validate_cmd(
 ) -> None:
     """Check a pipeline without running it; exit 2 and list every problem if it is invalid."""
     pipe = load_pipeline(pipeline, set_)
-    problems = validate(pipe)
-    if problems:
-        _report_problems(problems)
+    checked = check(pipe)
+    if checked.problems:
+        _report_problems(checked.problems)
         raise typer.Exit(USAGE)
     err.print(f"[green]ok[/]: pipeline '{pipe.name}' with {len(pipe.stages)} stage(s) is valid")
+    for note in make_plan(pipe, checked.graph, checked.instances).warnings:
+        err.print(f"[yellow]note:[/] {note}", highlight=False)
 
 
 @app.command()

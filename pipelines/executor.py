@@ -7,7 +7,8 @@ still fail become error rows. Every stage output is cached (see cache.py), so a 
 stopped, and the output file is written under a temporary name and renamed at the end, so it holds every row
 exactly once.
 
-What one stage does to one batch (cache lookup, error routing, per-document retry, conformance) lives in
+Which stages run is planned before the first batch (planning.py): a stage that feeds only inputs their consumer
+will not read does not run. What one stage does to one batch (cache lookup, error routing, per-document retry, conformance) lives in
 ``StageStep`` and ``run_stage``, which the Ray engine (executor_ray.py) calls too, so both engines agree row for row.
 """
 
@@ -20,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import networkx as nx
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.cache import StageCache, stable_hash
+from pipelines.planning import Plan, make_plan
 from pipelines.sources import SOURCES, read_batches, table_batches
 from pipelines.stage import Stage, conform, error_value
 from pipelines.validate import PipelineInvalid, check
@@ -50,6 +51,8 @@ class RunReport:
     seconds: float = 0.0
     outputs: dict[str, Path] = field(default_factory=dict)
     tables: dict[str, pa.Table] = field(default_factory=dict)
+    #: Stages the plan left out (they fed only inputs that are not read), each with why.
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -68,12 +71,8 @@ def stage_key(stage: Stage) -> str:
                        stage.cache_salt())
 
 
-def needed_order(pipeline: PipelineSpec, graph: nx.DiGraph) -> list[str]:
-    """The stages the outputs need, in topological order (a stage nothing needs is not run)."""
-    needed: set[str] = set()
-    for out in pipeline.outputs:
-        needed |= nx.ancestors(graph, out) | {out}
-    return [n for n in nx.topological_sort(graph) if n in needed]
+#: The cache key of an input the stage does not read: its producer did not run, so it has no key of its own.
+UNREAD_KEY = "unread"
 
 
 @dataclass
@@ -89,10 +88,16 @@ class StageStep:
     stage: Stage
     upstream: list[str]  # stage names, or SOURCES, in port order
     key: str  # stage_key(stage)
+    #: Ports the stage will not read (planning.py), with the schema of the empty table they receive instead.
+    unread: dict[int, pa.Schema] = field(default_factory=dict)
 
     def batch_key(self, keys: dict[str, str]) -> str:
         """This stage's cache key on one batch, from the keys of its inputs on that batch."""
-        return stable_hash(self.key, [keys[u] for u in self.upstream])
+        return stable_hash(self.key, [UNREAD_KEY if i in self.unread else keys[u] for i, u in enumerate(self.upstream)])
+
+    def inputs(self, tables: dict[str, pa.Table]) -> list[pa.Table]:
+        """The tables ``run`` gets, in port order: an unread port gets an empty table of its producer's schema."""
+        return [self.unread[i].empty_table() if i in self.unread else tables[u] for i, u in enumerate(self.upstream)]
 
     def __call__(self, tables: dict[str, pa.Table], keys: dict[str, str], cache: StageCache,
                  prepare: Callable[[], None]) -> bool:
@@ -106,14 +111,19 @@ class StageStep:
         if cached is not None:
             tables[self.name] = cached
             return True
-        tables[self.name] = run_stage(self.name, self.stage, [tables[u] for u in self.upstream], prepare)
+        tables[self.name] = run_stage(self.name, self.stage, self.inputs(tables), prepare)
         cache.put(self.name, keys[self.name], tables[self.name])
         return False
 
 
-def plan_steps(pipeline: PipelineSpec, stages: dict[str, Stage], order: list[str]) -> list[StageStep]:
-    return [StageStep(name, stages[name], list(pipeline.stages[name].inputs) or [SOURCES], stage_key(stages[name]))
-            for name in order]
+def plan_steps(pipeline: PipelineSpec, stages: dict[str, Stage], plan: Plan) -> list[StageStep]:
+    """One StageStep per planned stage; its unread ports get their producer's schema, for the empty table."""
+    steps = []
+    for name in plan.order:
+        inputs = list(pipeline.stages[name].inputs)
+        unread = {i: stages[inputs[i]].output() for i in plan.unread.get(name, {})}
+        steps.append(StageStep(name, stages[name], inputs or [SOURCES], stage_key(stages[name]), unread))
+    return steps
 
 
 def run_stage(name: str, stage: Stage, inputs: list[pa.Table], prepare: Callable[[], None]) -> pa.Table:
@@ -176,8 +186,10 @@ class LocalExecutor:
         self.pipeline = pipeline
         self.stages: dict[str, Stage] = checked.instances
         self.cache = StageCache(cache_dir)
-        self.order = needed_order(pipeline, checked.graph)
-        self.steps = plan_steps(pipeline, self.stages, self.order)
+        self.plan = make_plan(pipeline, checked.graph, self.stages)
+        self.plan.announce()
+        self.order = self.plan.order
+        self.steps = plan_steps(pipeline, self.stages, self.plan)
         self._ready: set[str] = set()
 
     # ---- one batch ------------------------------------------------------------------------------------------
@@ -207,7 +219,7 @@ class LocalExecutor:
     ) -> RunReport:
         """Run over ``inputs`` (paths, or a SOURCE table); write Parquet to ``output`` or keep tables in memory."""
         start = time.perf_counter()
-        report = RunReport()
+        report = RunReport(skipped=dict(self.plan.skipped))
         batches: Iterable[pa.Table]
         if isinstance(inputs, pa.Table):
             batches = table_batches(inputs, batch_docs)

@@ -46,8 +46,9 @@ import pyarrow.compute as pc
 
 from pipelines.cache import StageCache
 from pipelines.executor import (
-    RunReport, Sink, StageSetupError, StageStep, count_rows, needed_order, plan_steps, setup_stage, sources_key,
+    RunReport, Sink, StageSetupError, StageStep, count_rows, plan_steps, setup_stage, sources_key,
 )
+from pipelines.planning import make_plan
 from pipelines.sources import SOURCE_SCHEMA, SOURCES, Entry, expand, read_entry, table_batches
 from pipelines.stage import Stage, conform
 from pipelines.validate import PipelineInvalid, check
@@ -249,8 +250,10 @@ class RayExecutor:
         self.pipeline = pipeline
         self.address = address
         self.stages: dict[str, Stage] = checked.instances
-        self.order = needed_order(pipeline, checked.graph)
-        self.steps = plan_steps(pipeline, self.stages, self.order)
+        self.plan = make_plan(pipeline, checked.graph, self.stages)
+        self.plan.announce()
+        self.order = self.plan.order
+        self.steps = plan_steps(pipeline, self.stages, self.plan)
         self.cache_dir = str(Path(cache_dir).resolve()) if cache_dir else None
 
     # ---- the plan --------------------------------------------------------------------------------------------
@@ -334,7 +337,8 @@ class RayExecutor:
             raise ValueError("batch_docs must be at least 1")
         entries, from_entries = _batches(inputs, batch_docs, column)
         ray = ensure_ray(self.address)
-        report = RunReport(batches=len(entries), documents=sum(t.num_rows for t in entries))
+        report = RunReport(batches=len(entries), documents=sum(t.num_rows for t in entries),
+                           skipped=dict(self.plan.skipped))
         sink = Sink(self.pipeline.outputs, {o: self.stages[o].output() for o in self.pipeline.outputs}, output)
         last = self.bundles()[-1]
         show = sys.stderr.isatty() if progress is None else progress

@@ -8,6 +8,7 @@ A stage is a class with
 - ``output_schema``: the schema of every table ``run`` returns (``output()`` when parameters change it);
 - ``reads_params``: the pipeline-level params it reads, handed over as ``self.context``;
 - ``setup()``: loads heavy state (models) once, after construction; maps onto a Ray actor's constructor;
+- ``unread_inputs()``: the input ports its parameters make it ignore, known before any batch runs (optional);
 - ``run(*tables) -> table``: batch in, batch out, one table per input port, in port order.
 
 Rows that carry an ``error`` never reach ``run``: the engine passes them on itself, so a stage only sees good
@@ -18,6 +19,7 @@ become error rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -30,6 +32,22 @@ class StageParams(BaseModel):
     """Base for stage parameters: unknown keys are errors, values are validated by type."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+@dataclass(frozen=True)
+class Unread:
+    """An input port that a stage's parameters make it ignore, decided before any batch runs.
+
+    Why the engine asks: a stage upstream that feeds only ignored ports (a renderer and a ViT feeding a fusion
+    that will stay text-only) would be work thrown away, so the engine does not run it and hands the port an
+    empty table. ``enable`` names the parameters that would make the stage read the port and ``cost`` what that
+    costs; the engine's warning shows both. ``enable`` is empty when the parameters chose this plainly (``apply:
+    never``): there is nothing to warn about then.
+    """
+
+    why: str
+    enable: dict[str, Any] = field(default_factory=dict)
+    cost: str = ""
 
 
 class Stage:
@@ -53,6 +71,11 @@ class Stage:
 
     def setup(self) -> None:
         """Load heavy state. Called once per instance before the first ``run``."""
+
+    def unread_inputs(self) -> dict[str, Unread]:
+        """Input ports (by name) that these parameters make ``run`` ignore; the engine asks once, before
+        ``setup()`` and before any batch, so it must be cheap (read a file's header, not a model)."""
+        return {}
 
     def run(self, *tables: pa.Table) -> pa.Table:  # pragma: no cover - abstract
         raise NotImplementedError

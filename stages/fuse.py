@@ -10,7 +10,6 @@ held-out pages, see ``apply``) a page is text-only: ``fused`` is null, ``fusion`
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -18,14 +17,17 @@ import pyarrow as pa
 from pydantic import Field
 
 from pipelines.registry import register
-from pipelines.stage import Stage, StageParams, error_value
+from pipelines.stage import Stage, StageParams, Unread, error_value
 from stages import schemas
 
-log = logging.getLogger(__name__)
 DEFAULT_CHECKPOINT = "data/fusion/smollm2-135m-instruct.safetensors"
 TEXT_COLUMNS = ("doc_id", "source", "page", "text", "image_only", "page_width", "page_height", "words")
 #: Errors of pdf.render / vision.patches that concern only a page's picture, not its text.
 IMAGE_ONLY_ERRORS = {"page_too_large", "bad_image", "bad_page_size"}
+#: What fused.apply=always cost pdf_qa with the shipped checkpoint on data/sample.pdf (3 pages, a busy 2-core CPU
+#: machine, 2026-12-06, one run each): pdf.render + vision.patches + fusion.gate 1.8 s (0.6 s a page), and decode
+#: prefills the fused stream instead of token ids (8.7 s against 4.6 s); the whole run 13.0 s against 6.4 s.
+MEASURED_COST = "about 0.6 s a page on CPU, and a slower prefill: data/sample.pdf ran 13.0 s instead of 6.4 s"
 
 
 def fused_schema(hidden: int) -> pa.Schema:
@@ -93,6 +95,23 @@ class FusionGate(Stage):
         st = path.stat() if path is not None and path.is_file() else None
         return f"{path}:{st.st_size}:{st.st_mtime_ns}" if st else str(path)
 
+    def unread_inputs(self) -> dict[str, Unread]:
+        """``patches`` when the pages will be text-only whatever they show, so the engine renders none and runs no
+        ViT: no checkpoint, ``apply: never``, or under ``apply: auto`` a checkpoint that lost to text-only on its
+        own held-out pages (its metadata says so; nothing is loaded)."""
+        from fusion.checkpoint import read_meta
+
+        path, p = self._path(), self.params
+        if path is None or p.apply == "never":
+            return {"patches": Unread("no fusion checkpoint" if path is None else "apply: never")}
+        if p.apply == "always" or not path.is_file():
+            return {}  # a missing checkpoint is setup()'s error, named with its fix
+        meta = read_meta(path)
+        why = _verdict(meta)
+        if why is None:
+            return {}
+        return {"patches": Unread(f"{why}, so the pages stay text-only", {"apply": "always"}, _cost(meta))}
+
     def setup(self) -> None:
         import torch
 
@@ -111,10 +130,9 @@ class FusionGate(Stage):
             raise ValueError(f"fusion.gate: checkpoint {str(path)!r} not found; make one with `docfuse train-fusion`"
                              " or set checkpoint: null for text-only")
         vit, fusion, spec, meta = load(path, decoder_fingerprint(model.config), device=str(self._device))
-        self._why = _verdict(meta) if p.apply == "auto" else None
-        if self._why:
-            log.warning("fusion.gate: %s; the pipeline runs text-only (set apply: always to use it anyway)",
-                        self._why)
+        why = _verdict(meta) if p.apply == "auto" else None
+        if why:  # the engine warned when it planned the run (Stage.unread_inputs)
+            self._why = f"text_only: {why}"
             return
         from runtime.loading import cpu_has_bf16
 
@@ -218,9 +236,17 @@ def _verdict(meta: dict[str, str]) -> str | None:
         return None
     if fused < plain:
         which = "without its read path " if "masked_recovery_without_reads" in held else ""
-        return (f"text_only: the checkpoint's held-out masked recovery {which}{fused:.3f} is below text-only's "
-                f"{plain:.3f}")
+        return f"the checkpoint's held-out masked recovery {which}{fused:.3f} is below text-only's {plain:.3f}"
     return None
+
+
+def _cost(meta: dict[str, str]) -> str:
+    """What using a checkpoint costs a run: a render and a ViT pass per page and a slower prefill (MEASURED_COST),
+    for a stream its held-out pages rate below text alone."""
+    vision = f"{meta.get('vision_model', 'its ViT')} at {meta.get('image_size', '?')}"
+    return (f"every page is then rendered at {meta.get('dpi', '?')} dpi and read by the checkpoint's ViT ({vision}) "
+            f"and the fusion ({MEASURED_COST}), for answers from a stream that recovered fewer hidden tokens than "
+            "text alone on its held-out pages")
 
 
 def _rows(table: pa.Table, columns: tuple[str, ...]) -> list[dict]:

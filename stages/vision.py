@@ -1,5 +1,8 @@
 """vision.patches: a ViT's patch features for every rendered page, each patch with its box on the page.
 
+Which ViT: a fusion checkpoint's metadata names it (stages/vision_spec.py); ``model``, ``model_args`` and
+``image_size`` are for plain ViT weights, and with a fusion checkpoint must agree with it or be left out.
+
 The page image is stretched to ``image_size`` so patch (r, c) covers an exact rectangle of the page; fusion then
 places each patch with the same 2D coordinate embedding as the words. Weights come only from a local checkpoint
 (see data/vision/README.md); nothing is ever downloaded.
@@ -23,6 +26,7 @@ from stages.vision_geometry import patch_boxes, patch_grid, tensor_column
 from stages.vision_image import BadImage, load_page
 from stages.vision_model import (HOW_TO_MAKE, as_args, create, geometry, init_checkpoint, load_weights,
                                  resolve_checkpoint, size_arg)
+from stages.vision_spec import PLAIN_DEFAULTS, resolve
 
 __all__ = ["VisionPatches", "VisionPatchesParams", "init_checkpoint", "patches_schema"]
 
@@ -42,26 +46,32 @@ def patches_schema(n_patches: int, dim: int) -> pa.Schema:
     ])
 
 
+_FROM_CHECKPOINT = "a fusion checkpoint's metadata gives it (leave it out); for plain ViT weights, default "
+
+
 class VisionPatchesParams(StageParams):
-    model: str = Field("vit_tiny_patch16_224", description="any timm ViT name (vit_*, or samvit_* for windowed "
-                                                            "attention); built without downloading")
-    model_args: dict[str, int | bool | list[int]] = Field(
-        default_factory=dict, description="architecture overrides for timm (depth, embed_dim, num_heads, "
-                                          "patch_size; samvit: window_size, global_attn_indexes, use_rel_pos, "
-                                          "neck_chans), as the checkpoint was made")
-    checkpoint: str = Field(description="local weights for `model` (safetensors or torch state dict), or a "
-                                        "fusion checkpoint (its ViT is used); see data/vision/README.md")
-    image_size: list[int] = Field(default_factory=lambda: [224, 224], min_length=2, max_length=2,
-                                  description="[H, W] the page is stretched to; multiples of the patch size, "
-                                              "and the size the checkpoint was made at")
+    model: str | None = Field(None, description="any timm ViT name (vit_*, or samvit_* for windowed attention); "
+                                                "built without downloading. " + _FROM_CHECKPOINT
+                                                + repr(PLAIN_DEFAULTS["model"]))
+    model_args: dict[str, int | bool | list[int]] | None = Field(
+        None, description="architecture overrides for timm (depth, embed_dim, num_heads, patch_size; samvit: "
+                          "window_size, global_attn_indexes, use_rel_pos, neck_chans), as the checkpoint was made. "
+                          + _FROM_CHECKPOINT + "{}")
+    checkpoint: str = Field(description="a fusion checkpoint (its ViT and that ViT's shape are used), or local "
+                                        "weights for `model` (safetensors or torch state dict); see "
+                                        "data/vision/README.md")
+    image_size: list[int] | None = Field(None, min_length=2, max_length=2,
+                                         description="[H, W] the page is stretched to; multiples of the patch size, "
+                                                     "and the size the checkpoint was made at. " + _FROM_CHECKPOINT
+                                                     + "[224, 224]")
     batch_size: int = Field(16, ge=1, description="pages per forward pass")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="compute dtype; features are float32")
     device: str = Field("auto", description="torch device; auto = cuda when available, else cpu")
 
     @field_validator("image_size")
     @classmethod
-    def _positive(cls, value: list[int]) -> list[int]:
-        if any(v <= 0 for v in value):
+    def _positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(v <= 0 for v in value):
             raise ValueError(f"image_size {value} must be two positive integers [H, W]")
         return value
 
@@ -83,13 +93,18 @@ class VisionPatches(Stage):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._net: Any = None
+        p = self.params
+        #: the ViT to build: a fusion checkpoint's (a disagreeing parameter is a ValueError, i.e. invalid), else
+        #: the parameters' (or their defaults)
+        self.vit = resolve({"model": p.model, "model_args": p.model_args, "image_size": p.image_size},
+                           resolve_checkpoint(p.checkpoint), p.checkpoint)
 
     @property
     def _size(self) -> tuple[int, int]:
-        return int(self.params.image_size[0]), int(self.params.image_size[1])
+        return self.vit.image_size
 
     def output(self) -> pa.Schema:
-        geo = geometry(self.params.model, self._size, as_args(self.params.model_args))
+        geo = geometry(self.vit.model, self._size, as_args(self.vit.model_args))
         return patches_schema(geo.n_patches, geo.dim)
 
     def cache_salt(self) -> str:
@@ -101,15 +116,15 @@ class VisionPatches(Stage):
     def setup(self) -> None:
         import torch
 
-        p = self.params
+        p, vit = self.params, self.vit
         path = resolve_checkpoint(p.checkpoint)
         if not path.is_file():
             given = "" if str(path) == p.checkpoint else f" (given as {p.checkpoint!r})"
             raise ValueError(f"vision.patches: checkpoint {str(path)!r}{given} not found; "
-                             + HOW_TO_MAKE.format(path=p.checkpoint, model=p.model, size=size_arg(self._size)))
-        self._geo = geometry(p.model, self._size, as_args(p.model_args))
-        net = create(p.model, self._size, device="cpu", args=as_args(p.model_args))
-        load_weights(net, path, p.model, self._size)
+                             + HOW_TO_MAKE.format(path=p.checkpoint, model=vit.model, size=size_arg(self._size)))
+        self._geo = geometry(vit.model, self._size, as_args(vit.model_args))
+        net = create(vit.model, self._size, device="cpu", args=as_args(vit.model_args))
+        load_weights(net, path, vit.model, self._size)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if p.device == "auto" else p.device
         self._device = torch.device(device)
         self._dtype = getattr(torch, p.dtype)
@@ -189,7 +204,7 @@ class VisionPatches(Stage):
             x = torch.from_numpy(batch).to(self._device, self._dtype)
             tokens = patch_tokens(self._net, x)
             if tuple(tokens.shape[1:]) != (self._geo.n_patches, self._geo.dim):
-                raise RuntimeError(f"{self.params.model} returned tokens of shape {tuple(tokens.shape)}; "
+                raise RuntimeError(f"{self.vit.model} returned tokens of shape {tuple(tokens.shape)}; "
                                    f"expected [B, {self._geo.n_patches}, {self._geo.dim}] after "
                                    f"{self._geo.prefix_tokens} prefix tokens")
             return tokens.float().cpu().numpy()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import pyarrow as pa
 from pydantic import Field
 
 from pipelines.registry import register
 from pipelines.sources import SOURCE_SCHEMA
-from pipelines.stage import Stage, StageParams, error_value
+from pipelines.stage import Stage, StageParams, Unread, error_value
 
 LINES = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("page", pa.int32()),
                    ("text", pa.string()), ("error", pa.string())])
@@ -63,8 +64,10 @@ class CountChars(Stage):
     Params = CountParams
     inputs = {"lines": pa.schema([("doc_id", pa.string()), ("page", pa.int32()), ("text", pa.string())])}
     output_schema = COUNTS
+    runs = 0
 
     def run(self, lines: pa.Table) -> pa.Table:
+        type(self).runs += 1
         rows = [{"doc_id": r["doc_id"], "source": r["source"], "page": r["page"], "n_chars": len(r["text"]),
                  "error": None} for r in lines.to_pylist()]
         return pa.Table.from_pylist(rows, schema=COUNTS)
@@ -92,3 +95,33 @@ class JoinCounts(Stage):
 
     def run(self, lines: pa.Table, counts: pa.Table) -> pa.Table:
         return counts
+
+
+class PickParams(StageParams):
+    use: Literal["both", "lines", "lines quietly"] = "both"
+
+
+@register
+class PickCounts(Stage):
+    """Lines with their counts, or with -1 when told to ignore the counts (then the plan skips what makes them)."""
+
+    kind = "test.pick"
+    Params = PickParams
+    inputs = {"lines": LINES, "counts": pa.schema([("doc_id", pa.string()), ("page", pa.int32()),
+                                                  ("n_chars", pa.int64())])}
+    output_schema = COUNTS
+    seen_counts: list[int] = []
+
+    def unread_inputs(self) -> dict[str, Unread]:
+        if self.params.use == "both":
+            return {}
+        if self.params.use == "lines quietly":
+            return {"counts": Unread("use: lines quietly")}
+        return {"counts": Unread("told to use lines only", {"use": "both"}, "counting every line")}
+
+    def run(self, lines: pa.Table, counts: pa.Table) -> pa.Table:
+        type(self).seen_counts.append(counts.num_rows)
+        n = {(r["doc_id"], r["page"]): r["n_chars"] for r in counts.to_pylist()}
+        rows = [{"doc_id": r["doc_id"], "source": r["source"], "page": r["page"],
+                 "n_chars": n.get((r["doc_id"], r["page"]), -1), "error": None} for r in lines.to_pylist()]
+        return pa.Table.from_pylist(rows, schema=COUNTS)

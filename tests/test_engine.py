@@ -188,6 +188,40 @@ def test_two_input_stage_receives_both_tables(tmp_path):
     assert pipe.run([tmp_path / "docs"]).tables["joined"].num_rows == 4
 
 
+PICK_YAML = TOY_YAML.replace("outputs: [counts]", "  pick: {stage: test.pick, from: [lines, counts]}\n"
+                                                "outputs: [pick]")
+
+
+def test_a_stage_feeding_only_an_unread_input_never_runs(tmp_path, caplog):
+    """Planned before the first batch: the consumer gets an empty table there, the report says what was skipped,
+    and the warning says what to set and what it costs."""
+    write_docs(tmp_path / "docs", 2)
+    pipe = Pipeline.from_yaml(PICK_YAML)
+    pipe.set("pick.use", "lines")
+    runs, toy.PickCounts.seen_counts = toy.CountChars.runs, []
+    report = pipe.run([tmp_path / "docs"], cache_dir=tmp_path / "cache")
+    assert toy.CountChars.runs == runs and toy.PickCounts.seen_counts == [0]
+    assert report.tables["pick"].column("n_chars").to_pylist() == [-1] * 4
+    assert list(report.skipped) == ["counts"] and "told to use lines only" in report.skipped["counts"]
+    assert ("stage 'pick' (test.pick) will not read its input 'counts': told to use lines only. Stage(s) counts do "
+            "not run. To read it anyway, --set pick.use=both: counting every line.") in caplog.text
+    pipe.set("pick.use", "both")  # read again: the counts run
+    report = pipe.run([tmp_path / "docs"], cache_dir=tmp_path / "cache")
+    assert toy.CountChars.runs == runs + 1 and report.skipped == {}
+    assert report.tables["pick"].column("n_chars").to_pylist() == [15, 12, 15, 13]  # "first line of 0", "second line "
+
+
+def test_an_unread_input_still_runs_for_another_reader_and_a_plain_choice_is_not_warned(tmp_path, caplog):
+    write_docs(tmp_path / "docs", 1)
+    pipe = Pipeline.from_yaml(PICK_YAML)
+    pipe.set("pick.use", "lines quietly")
+    assert LocalExecutor(pipe).order == ["lines", "pick"] and caplog.text == ""
+    pipe.outputs = ["pick", "counts"]
+    executor = LocalExecutor(pipe)
+    assert executor.order == ["lines", "counts", "pick"] and executor.plan.skipped == {}
+    assert [s.unread for s in executor.steps][-1].keys() == {1}  # pick still ignores them
+
+
 def _cli(*args: str) -> list[str]:
     code = "import sys, tests.engine_stages; from pipelines.cli import app; sys.argv=['docfuse', *sys.argv[1:]]; app()"
     return [sys.executable, "-c", code, *args]

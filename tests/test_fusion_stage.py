@@ -58,6 +58,31 @@ def test_registered_and_pdf_qa_wires_it():
     assert qa.stages["fused"].stage == "fusion.gate" and qa.stages["answer"].inputs == ["fused"]
 
 
+def test_pdf_qa_plans_from_the_checkpoints_verdict(caplog):
+    """apply: auto with the shipped checkpoint (below text-only on its held-out pages): no render, no ViT, and a
+    warning with what to set and what it costs; always: both run; never or no checkpoint: skipped, no warning."""
+    from pipelines import Pipeline
+    from pipelines.executor import LocalExecutor
+
+    auto = LocalExecutor(Pipeline.from_yaml("pdf_qa"))
+    assert auto.order == ["pages", "text", "fused", "answer"] and set(auto.plan.skipped) == {"render", "patches"}
+    [warning] = auto.plan.warnings
+    assert warning.startswith("stage 'fused' (fusion.gate) will not read its input 'patches': the checkpoint's "
+                              "held-out masked recovery without its read path 0.296 is below text-only's 0.301")
+    assert "Stage(s) render, patches do not run. To read it anyway, --set fused.apply=always: every page is then " \
+           "rendered at 96.0 dpi and read by the checkpoint's ViT (samvit_base_patch16 at 1024x768)" in warning
+    assert warning in caplog.text
+    for apply, order in [("always", ["pages", "text", "render", "patches", "fused", "answer"]),
+                         ("never", ["pages", "text", "fused", "answer"])]:
+        qa = Pipeline.from_yaml("pdf_qa")
+        qa.set("fused.apply", apply)
+        planned = LocalExecutor(qa)
+        assert planned.order == order and planned.plan.warnings == []
+    qa = Pipeline.from_yaml("pdf_qa")
+    qa.stages["fused"].params["checkpoint"] = None  # (--set ...=null would remove the key: the default)
+    assert "no fusion checkpoint" in LocalExecutor(qa).plan.skipped["patches"]
+
+
 @pytest.mark.slow
 def test_vision_patches_reads_a_fusion_checkpoint_and_measures_ink(tmp_path, model):
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model)
@@ -104,14 +129,15 @@ def test_open_gates_change_boxed_tokens_and_add_visual_tokens_for_figures(tmp_pa
 
 
 @pytest.mark.slow
-def test_auto_refuses_a_checkpoint_that_lost_to_text_only(tmp_path, model, caplog):
+def test_auto_refuses_a_checkpoint_that_lost_to_text_only(tmp_path, model):
     ckpt = make_checkpoint(tmp_path / "f.safetensors", model, gates=0.5,
                            held_out={"masked_recovery_fused": 0.2, "masked_recovery_text_only": 0.3})
     text, patches = upstream(SAMPLE, ckpt)
-    out = FusionGate(checkpoint=str(ckpt), apply="auto").run(text, patches)
+    gate = FusionGate(checkpoint=str(ckpt), apply="auto")
+    assert gate.unread_inputs()["patches"].enable == {"apply": "always"}  # the engine's warning names it
+    out = gate.run(text, patches)
     assert all(w.startswith("text_only: the checkpoint's held-out masked recovery 0.200 is below") for w in
                out.column("fusion").to_pylist())
-    assert "apply: always" in caplog.text
     assert out.column("fused").null_count == out.num_rows  # text-only pages carry no embedding rows
     assert fused_pages(out) == {}  # decode then takes the plain text path
 
@@ -214,6 +240,7 @@ def test_pdf_qa_answers_a_document_whose_pages_are_too_large_to_render_text_only
 
     qa = Pipeline.from_yaml("pdf_qa")
     qa.set("params.question", "What is the monthly fee?")
+    qa.set("fused.apply", "always")  # else the plan renders nothing
     qa.set("render.max_pixels", 1000)
     qa.set("render.min_dpi", 50)
     qa.set("answer.max_new_tokens", 12)
@@ -222,14 +249,25 @@ def test_pdf_qa_answers_a_document_whose_pages_are_too_large_to_render_text_only
 
 
 @pytest.mark.slow
-def test_pdf_qa_with_its_rejected_checkpoint_answers_exactly_as_pdf_qa_text():
+def test_pdf_qa_with_its_rejected_checkpoint_answers_exactly_as_pdf_qa_text(monkeypatch):
+    """The shipped checkpoint under apply: auto: the run never renders or runs the ViT, and answers as pdf_qa_text;
+    under apply: always both run."""
     from pipelines import Pipeline
 
+    calls: list[str] = []
+    for cls in (PdfRender, VisionPatches):
+        monkeypatch.setattr(cls, "run", lambda self, *t, _run=cls.run: calls.append(self.kind) or _run(self, *t))
+        monkeypatch.setattr(cls, "setup", lambda self, _setup=cls.setup: calls.append("setup") or _setup(self))
     answers = []
-    for name in ("pdf_qa", "pdf_qa_text"):
+    for name, apply in (("pdf_qa", "auto"), ("pdf_qa_text", None), ("pdf_qa", "always")):
         qa = Pipeline.from_yaml(name)
         qa.set("params.question", "What is the monthly fee?")
-        qa.set("answer.max_new_tokens", 16)
-        rows = qa.run([str(SAMPLE)]).tables["answer"].to_pylist()
-        answers.append([(r["answer"], r["prompt_tokens"], r["error"]) for r in rows])
+        qa.set("answer.max_new_tokens", 16 if apply != "always" else 2)
+        if apply:
+            qa.set("fused.apply", apply)
+        report = qa.run([str(SAMPLE)])
+        answers.append([(r["answer"], r["prompt_tokens"], r["error"]) for r in report.tables["answer"].to_pylist()])
+        if apply == "auto":
+            assert calls == [] and set(report.skipped) == {"render", "patches"}
     assert answers[0] == answers[1] and answers[0][0][2] is None
+    assert calls == ["setup", "pdf.render", "setup", "vision.patches"]

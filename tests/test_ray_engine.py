@@ -27,7 +27,7 @@ from pipelines.registry import register
 from pipelines.sources import read_batches
 from pipelines.stage import Stage, StageParams
 from tests.pdf_fixtures import write_all
-from tests.test_engine import TOY_YAML, write_docs
+from tests.test_engine import PICK_YAML, TOY_YAML, write_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("n_lines", pa.int64()),
@@ -218,6 +218,18 @@ def test_documents_stay_whole_and_multi_input_stages_get_both_tables(ray_cluster
         else:
             assert row["n_lines"] == row["n_counted"] == 2 and row["error"] is None
     assert report.exit_code == local.exit_code == 3
+
+
+@pytest.mark.slow
+def test_a_stage_feeding_only_an_unread_input_is_planned_out_as_locally(ray_cluster, tmp_path):
+    write_docs(tmp_path / "docs", 3)
+    pipe = Pipeline.from_yaml(PICK_YAML)
+    pipe.set("pick.use", "lines")
+    assert RayExecutor(pipe).order == ["lines", "pick"]
+    ray, local = (pipe.run([tmp_path / "docs"], engine=e, batch_docs=2) for e in ("ray", "local"))
+    assert list(ray.skipped) == list(local.skipped) == ["counts"]
+    assert ray.tables["pick"].sort_by("doc_id").equals(local.tables["pick"].sort_by("doc_id"))
+    assert set(ray.tables["pick"].column("n_chars").to_pylist()) == {-1}
 
 
 @pytest.mark.slow

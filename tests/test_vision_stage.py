@@ -86,6 +86,44 @@ def test_output_schema_follows_params() -> None:
     assert small.field("patch_features").type.shape == [196, 384]
 
 
+SHIPPED = "data/fusion/smollm2-135m-instruct.safetensors"
+
+
+def test_a_fusion_checkpoint_names_its_vit_and_pdf_qa_names_only_the_checkpoint() -> None:
+    """One source of truth: the ViT's shape comes from the checkpoint's metadata, not from the YAML."""
+    from fusion.checkpoint import read_meta, vision_spec
+    from pipelines import Pipeline
+    from stages.vision_model import resolve_checkpoint
+
+    recorded = vision_spec(read_meta(resolve_checkpoint(SHIPPED)))
+    vit = VisionPatches(checkpoint=SHIPPED).vit
+    assert (vit.model, vit.model_args, vit.image_size) == (recorded.model, recorded.args, recorded.image_size)
+    assert VisionPatches(checkpoint=SHIPPED).output().field("patch_features").type.shape == [64 * 48, 128]
+    assert set(Pipeline.from_yaml("pdf_qa").stages["patches"].params) == {"checkpoint", "batch_size"}
+    # the same values written out agree, so they are accepted (lists and tuples alike)
+    same = VisionPatches(checkpoint=SHIPPED, model=recorded.model, model_args=recorded.args,
+                         image_size=list(recorded.image_size))
+    assert same.vit == vit
+
+
+def test_a_vit_shape_that_disagrees_with_the_checkpoint_is_invalid_naming_both() -> None:
+    from pipelines import Pipeline
+
+    qa = Pipeline.from_yaml("pdf_qa")
+    qa.set("patches.model_args", {"depth": 2})
+    qa.set("patches.image_size", [224, 224])
+    problems = qa.validate()
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("stage 'patches' (vision.patches): model_args {'depth': 2} disagrees with "
+                                  "{'depth': 3, ")
+    assert f"image_size [224, 224] disagrees with [1024, 768] in the fusion checkpoint '{SHIPPED}'" in problems[0]
+    assert "leave model_args and image_size out of this stage's `with:`" in problems[0]
+    qa.set("patches.model_args", None)
+    qa.set("patches.image_size", None)
+    qa.set("patches.model", "vit_tiny_patch16_224")
+    assert "model 'vit_tiny_patch16_224' disagrees with 'samvit_base_patch16'" in qa.validate()[0]
+
+
 def test_bad_params_are_refused() -> None:
     with pytest.raises(ValueError, match="multiples"):
         VisionPatches(checkpoint="x", image_size=[200, 224]).output()
