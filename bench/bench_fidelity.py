@@ -43,6 +43,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # issue 3's settings and behaviour: the question reads the tiers, a quarter of the background is scored exactly
     "before": {"core_tokens": 0.10, "association_tokens": 0.25, "question": "tiered", "candidate_tokens": 0.25},
     "exact-q": {"core_tokens": 0.10, "association_tokens": 0.25, "question": "exact", "candidate_tokens": 0.25},
+    # core 10%, association 25%: the defaults between the question fix and the budget change (issue 29)
+    "c10-a25": {"core_tokens": 0.10, "association_tokens": 0.25, "question": "exact", "candidate_tokens": 1.0},
     "exact-q-c1": {"core_tokens": 0.10, "association_tokens": 0.25, "question": "exact", "candidate_tokens": 1.0},
     "exact-q-re8": {"core_tokens": 0.10, "association_tokens": 0.25, "candidate_tokens": 1.0, "retier_every": 8},
     "core20": {"core_tokens": 0.20, "association_tokens": 0.25, "candidate_tokens": 1.0},
@@ -55,6 +57,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "layers": {"prefill": "layers"},  # must answer as "default" does (issue 29, must-have 4)
     "snapkv@0.20": {"method": "evict", "core_tokens": 0.20},
     "snapkv@0.36": {"method": "evict", "core_tokens": 0.36},
+    "snapkv@0.40": {"method": "evict", "core_tokens": 0.40},
     "snapkv@0.50": {"method": "evict", "core_tokens": 0.50},
 }
 #: Other decode.generate settings per config. ``full-chunk256`` is the full cache prefilled in chunks of 256 instead
