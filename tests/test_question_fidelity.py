@@ -9,27 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from runtime.kv import TieredCache, prepare_question, read_question
 from runtime.kv.eviction import SnapKVCache
 from runtime.kv.tiered import make_cache
 from runtime.layer_prefill import layer_major_prefill
 from runtime.session import cache_kwarg
+from tests.test_layer_prefill import doc, tiny
 
 KV = {"core_tokens": 0.1, "association_tokens": 0.25, "recent_tokens": 16, "query_tokens": 24}
 
 
-def tiny(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(num_hidden_layers=3, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
-                         intermediate_size=96, vocab_size=256, max_position_embeddings=4096)
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
-
-
 def ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+    return doc(n, 1, seed)
 
 
 @torch.no_grad()
