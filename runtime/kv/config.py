@@ -141,7 +141,6 @@ class KVConfig(BaseModel):
             raise ValueError(f"retier_every must be a positive number of decode steps or null, got {value}")
         return value
 
-
     @model_validator(mode="after")
     def _evict_budget(self) -> "KVConfig":
         if self.method == "evict" and self.core_tokens == "auto":

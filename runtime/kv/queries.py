@@ -68,6 +68,14 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _last_logits_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """Forward arguments for a question pass over ``cache`` that needs only the last position's logits."""
+    kwargs: dict[str, Any] = {cache_kwarg(model): cache}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    return kwargs
+
+
 def prepare_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor) -> None:
     """Re-tier ``cache`` (already holding the document) for a question, leaving its length unchanged.
 
@@ -76,9 +84,7 @@ def prepare_question(model: torch.nn.Module, cache: Any, question_ids: torch.Ten
     attending to the re-tiered cache; the document is never prefilled twice.
     """
     prefix = cache.get_seq_length()
-    kwargs = {cache_kwarg(model): cache}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = 1  # only the queries matter here
+    kwargs = _last_logits_kwargs(model, cache)  # only the queries matter here
     tokens = getattr(getattr(cache, "kv", None), "query_tokens", 64)
     with torch.no_grad(), record_queries(model, cache, tokens=tokens):
         model(input_ids=question_ids, use_cache=True, **kwargs)
@@ -96,9 +102,7 @@ def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor
     keeps the question's own tokens in the core, and the answer's later tokens read the tiers.
     """
     prefix = cache.get_seq_length()
-    kwargs = {cache_kwarg(model): cache}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = 1
+    kwargs = _last_logits_kwargs(model, cache)
     positions = torch.arange(prefix, prefix + question_ids.shape[1], device=question_ids.device).unsqueeze(0)
     with torch.no_grad(), cache.exact_view(), record_queries(model, cache, tokens=cache.kv.query_tokens):
         out = model(input_ids=question_ids, position_ids=positions, use_cache=True, **kwargs)
