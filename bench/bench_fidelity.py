@@ -48,8 +48,14 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "exact-q-c1": {"core_tokens": 0.10, "association_tokens": 0.25, "question": "exact", "candidate_tokens": 1.0},
     "exact-q-re8": {"core_tokens": 0.10, "association_tokens": 0.25, "candidate_tokens": 1.0, "retier_every": 8},
     "core20": {"core_tokens": 0.20, "association_tokens": 0.25, "candidate_tokens": 1.0},
+    "core20-assoc-all-4bit": {"core_tokens": 0.20, "association_tokens": 1.0, "candidate_tokens": 1.0},
     "assoc-all-4bit": {"core_tokens": 0.10, "association_tokens": 1.0, "candidate_tokens": 1.0},
     "assoc-all-8bit": {"core_tokens": 0.10, "association_tokens": 1.0, "association_bits": 8, "candidate_tokens": 1.0},
+    # keys and values at different bits: keys set every outside token's softmax weight, values only its share
+    "k8v4": {"core_tokens": 0.10, "association_tokens": 1.0, "association_bits": 4, "association_key_bits": 8,
+             "candidate_tokens": 1.0},
+    "k4v8": {"core_tokens": 0.10, "association_tokens": 1.0, "association_bits": 8, "association_key_bits": 4,
+             "candidate_tokens": 1.0},
     "assoc-all-2bit": {"core_tokens": 0.10, "association_tokens": 1.0, "association_bits": 2, "candidate_tokens": 1.0},
     "core5-assoc-all-2bit": {"core_tokens": 0.05, "association_tokens": 1.0, "association_bits": 2,
                              "candidate_tokens": 1.0},
@@ -64,7 +70,15 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 #: of 512: the same attention in another order of float sums, so its disagreement with ``full`` is the noise floor
 #: of the dtype, below which no cache can be asked to agree.
 CONFIGS["full-chunk256"] = None
-EXTRA: dict[str, dict[str, Any]] = {"full-chunk256": {"prefill_chunk": 256}}
+#: The same pair in float32: how much of the disagreement is the dtype's, not the cache's.
+CONFIGS["full-fp32"] = None
+CONFIGS["full-chunk256-fp32"] = None
+CONFIGS["default-fp32"] = {}
+CONFIGS["assoc-all-8bit-fp32"] = dict(CONFIGS["assoc-all-8bit"])
+EXTRA: dict[str, dict[str, Any]] = {"full-chunk256": {"prefill_chunk": 256}, "full-fp32": {"dtype": "float32"},
+                                    "full-chunk256-fp32": {"prefill_chunk": 256, "dtype": "float32"},
+                                    "default-fp32": {"dtype": "float32"},
+                                    "assoc-all-8bit-fp32": {"dtype": "float32"}}
 
 
 def log(*parts: object) -> None:
@@ -139,14 +153,17 @@ def torch_cuda_ready() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def run_config(cases_dir: Path, name: str, half: str | None, device: str) -> Path:
-    """Every case of ``half`` (or both) through pdf_qa_text with the config's kv block; answers to a JSONL file."""
+def run_config(cases_dir: Path, name: str, half: str | None, device: str, shard: tuple[int, int] = (0, 1)) -> Path:
+    """Every case of ``half`` (or both) through pdf_qa_text with the config's kv block; answers to a JSONL file.
+    ``shard`` (i, n) takes every n-th case from the i-th, so n processes share one config."""
     from pipelines import Pipeline
 
     kv = CONFIGS[name]
     retier_times = _timed_retiers()
     cases = [c for c in json.loads((cases_dir / "cases.json").read_text()) if half in (None, c["half"])]
-    out = cases_dir / f"answers-{name}.jsonl"
+    i, n = shard
+    cases = cases[i::n]
+    out = cases_dir / (f"answers-{name}.jsonl" if n == 1 else f"answers-{name}.s{i}of{n}.jsonl")
     base = Pipeline.from_yaml("pdf_qa_text")
     base.set("answer.max_new_tokens", MAX_NEW_TOKENS)
     base.set("answer.device", device)
@@ -175,25 +192,26 @@ def run_config(cases_dir: Path, name: str, half: str | None, device: str) -> Pat
     return out
 
 
-def run(cases_dir: Path, names: list[str], half: str | None, parallel: int, device: str) -> None:
-    """One process per config, ``parallel`` at a time (each config's answers are independent of the others)."""
+def run(cases_dir: Path, names: list[str], half: str | None, parallel: int, device: str, shards: int = 1) -> None:
+    """One process per config and shard, ``parallel`` at a time (each config's answers are independent)."""
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}; choose from {', '.join(CONFIGS)}")
-    if parallel <= 1:
+    if parallel <= 1 and shards == 1:
         for name in names:
             run_config(cases_dir, name, half, device)
         return
-    pending, live = list(names), []
+    pending, live = [(name, i) for name in names for i in range(shards)], []
     threads = max(1, (os.cpu_count() or 2) // parallel)
     while pending or live:
         while pending and len(live) < parallel:
-            name = pending.pop(0)
-            cmd = [sys.executable, __file__, "one", "--cases", str(cases_dir), "--config", name, "--device", device]
+            name, i = pending.pop(0)
+            cmd = [sys.executable, __file__, "one", "--cases", str(cases_dir), "--config", name, "--device", device,
+                   "--shard", f"{i}/{shards}"]
             if half:
                 cmd += ["--half", half]
             env = {**os.environ, "DOCFUSE_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
-            live.append((name, subprocess.Popen(cmd, env=env)))
+            live.append((f"{name} {i}/{shards}", subprocess.Popen(cmd, env=env)))
         time.sleep(2)
         for name, proc in list(live):
             if proc.poll() is not None:
@@ -231,9 +249,11 @@ def summarise(cases: list[dict], answers: dict[str, list[dict]], half: str) -> d
 
     facts = {(c["id"], i): (Fact(f["kind"], f["text"], "", tuple(f["parts"])) if f else None)
              for c in cases for i, f in enumerate(c["facts"])}
-    full = {(r["case"], r["index"]): r for r in answers["full"] if r["half"] == half}
     out: dict[str, Any] = {}
     for name, rows in answers.items():
+        # a float32 config is held against the float32 full cache: the dtype changes answers on its own
+        reference = "full-fp32" if name.endswith("-fp32") and "full-fp32" in answers else "full"
+        full = {(r["case"], r["index"]): r for r in answers[reference] if r["half"] == half}
         rows = [r for r in rows if r["half"] == half and (r["case"], r["index"]) in full]
         if not rows:
             continue
@@ -253,7 +273,7 @@ def summarise(cases: list[dict], answers: dict[str, list[dict]], half: str) -> d
         later = [r for r in ok if r["index"] > 0]
         retier = [r for r in ok if r.get("retier_s") is not None]
         out[name] = {
-            "questions": len(rows), "errors": len(rows) - len(ok),
+            "against": reference, "questions": len(rows), "errors": len(rows) - len(ok),
             "planted": len(planted), "planted_right": sum(f.found_in(r["answer"] or "") for r, f in planted),
             "full_right": len(full_right), "lost": len(lost), "gained": len(gained),
             "lost_rate": len(lost) / len(full_right) if full_right else 0.0,
@@ -280,7 +300,8 @@ def report(cases_dir: Path, out_name: str | None, device: str) -> dict[str, Any]
     answers = {}
     for path in sorted(cases_dir.glob("answers-*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        answers[rows[0]["config"] if rows else path.stem[8:]] = rows
+        if rows:  # a config's shards land in one list
+            answers.setdefault(rows[0]["config"], []).extend(rows)
     if "full" not in answers:
         raise SystemExit(f"no answers-full.jsonl in {cases_dir}: run the full config first")
     halves = sorted({r["half"] for r in answers["full"]})
@@ -321,8 +342,10 @@ def main() -> None:
         if verb == "run":
             r.add_argument("--configs", default="full,default")
             r.add_argument("--parallel", type=int, default=1)
+            r.add_argument("--shards", type=int, default=1, help="processes per config, each with every n-th case")
         else:
             r.add_argument("--config", required=True)
+            r.add_argument("--shard", default="0/1", help="i/n: every n-th case from the i-th")
     p = sub.add_parser("report")
     p.add_argument("--cases", type=Path, required=True)
     p.add_argument("--out", default=None, help="name under bench/results/ (without .json)")
@@ -331,9 +354,10 @@ def main() -> None:
     if a.verb == "make":
         make(a.out, a.planted, a.real)
     elif a.verb == "run":
-        run(a.cases, a.configs.split(","), a.half, a.parallel, a.device)
+        run(a.cases, a.configs.split(","), a.half, a.parallel, a.device, a.shards)
     elif a.verb == "one":
-        run_config(a.cases, a.config, a.half, a.device)
+        i, n = (int(x) for x in a.shard.split("/"))
+        run_config(a.cases, a.config, a.half, a.device, (i, n))
     else:
         report(a.cases, a.out, a.device)
 

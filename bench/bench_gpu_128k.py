@@ -46,7 +46,7 @@ from runtime.kv.background import ArchiveWriter  # noqa: E402
 from runtime.layer_prefill import layer_major_prefill  # noqa: E402
 from runtime.session import cache_kwarg  # noqa: E402
 
-KV = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4}
+KV = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "association_key_bits": 4}
 GB = 1e9
 
 

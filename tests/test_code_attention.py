@@ -39,6 +39,24 @@ def test_code_attention_equals_dequantise_then_attend(bits, b, hkv, rep, d, n_co
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("key_bits,value_bits", [(8, 4), (4, 8), (8, 2)])
+def test_keys_and_values_at_different_bits(key_bits, value_bits) -> None:
+    """``association_key_bits``: keys and values packed at their own widths, read by the same maths."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(1, 3, 300, 64, generator=g) * torch.linspace(0.1, 4, 64)
+    v = torch.randn(1, 3, 300, 64, generator=g)
+    assoc = AssociationStore.build(k, v, value_bits, 32, key_bits=key_bits)
+    assert (assoc.keys.bits, assoc.values.bits) == (key_bits, value_bits)
+    core_k, core_v = torch.randn(1, 3, 20, 64, generator=g), torch.randn(1, 3, 20, 64, generator=g)
+    q = torch.randn(1, 9, 64, generator=g) * 2
+    ref = tiered_decode_reference(q, core_k, core_v, 17, assoc, 0.125)
+    torch.testing.assert_close(ca.code_attention(q, core_k, core_v, 17, assoc, 0.125), ref, rtol=1e-3, atol=1e-3)
+    # eight-bit keys reconstruct far closer than four-bit ones: the point of spending the bits there
+    err = (assoc.dequantize(torch.float32)[0] - k).abs().mean()
+    err4 = (AssociationStore.build(k, v, value_bits, 32, key_bits=4).dequantize(torch.float32)[0] - k).abs().mean()
+    assert key_bits != 8 or err < err4 / 8
+
+
 def test_code_attention_bf16_tiers_and_no_association() -> None:
     core_k, core_v, assoc = tiers(1, 3, 64, 40, 200, 4)
     core_k, core_v = core_k.bfloat16(), core_v.bfloat16()

@@ -151,14 +151,14 @@ def test_pdf_qa_with_tiered_kv_cache_answers_and_reports_tier_bytes(tmp_path):
     res = docfuse("run", "pdf_qa", "-i", "data/sample.pdf", "-o", str(out), "--no-cache",
                   "--set", 'params.questions=["What is the monthly fee?", "Which law governs the agreement?"]',
                   "--set", "answer.max_new_tokens=24",
-                  # the defaults (issue 29): every non-core token stays on the device as 4-bit codes; with a quarter of
-                  # them (association_tokens: 0.25) the law answer lost "Ireland" that the full cache gives
+                  # the defaults (issue 29): every non-core token stays on the device as codes (8-bit keys, 4-bit
+                  # values); with a quarter of them (association_tokens: 0.25) the law answer lost "Ireland"
                   "--set", "answer.kv={}")
     assert res.returncode == 0, res.stderr
     fee, law = pq.read_table(out).to_pylist()
     assert "4,250" in fee["answer"] and "Ireland" in law["answer"]
     for row in (fee, law):
         assert row["kv_host_bytes"] > 0, "the background tier holds the exact copy in host memory"
-        assert row["kv_device_bytes"] < 0.45 * row["kv_full_bytes"]
+        assert row["kv_device_bytes"] < 0.6 * row["kv_full_bytes"]  # ~0.51 at 8-bit keys, 4-bit values
     bad = docfuse("validate", "pdf_qa", "--set", "answer.kv.association_bits=3")
     assert bad.returncode == 2 and "association_bits" in bad.stderr

@@ -58,6 +58,7 @@ def test_kernel_support_rules() -> None:
     assert not ak.kernel_supports(assoc, 96)  # head size not a power of two
     k = torch.randn(1, 1, 40, 64)
     assert not ak.kernel_supports(AssociationStore.build(k, k, 8, 32), 64)  # only 4-bit codes are fused
+    assert not ak.kernel_supports(AssociationStore.build(k, k, 4, 32, key_bits=8), 64)  # keys 8-bit: reference path
     pages = torch.zeros(1, 1, 40, dtype=torch.long)
     assert not ak.kernel_supports(AssociationStore.build(k, k, 4, 32, pages), 64)  # differential: reference path
 
@@ -86,7 +87,8 @@ def greedy_logits(model, cache, ids: torch.Tensor, steps: int) -> torch.Tensor:
 def fused_vs_plain(device: str, dtype: torch.dtype, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
     model = tiny().to(device, dtype)
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3)).to(device)
-    kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16}
+    kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16,
+          "association_key_bits": 4}  # the kernel reads 4-bit keys only
     plain = greedy_logits(model, TieredCache(model.config, kv), ids, 3)
     calls = []
     from runtime.gpu import kernel_cache
@@ -153,7 +155,8 @@ def test_cuda_graph_decode_matches_eager_fused_decode() -> None:
     model = tiny().to("cuda", torch.bfloat16)
     model.config._attn_implementation = register_attention()
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5)).to("cuda")
-    kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16}
+    kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16,
+          "association_key_bits": 4}  # the kernel reads 4-bit keys only
     eager = greedy_logits(model, KernelTieredCache(model.config, kv), ids, 6)
     cache = KernelTieredCache(model.config, kv)
     with torch.no_grad():

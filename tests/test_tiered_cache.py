@@ -409,6 +409,7 @@ def test_accounting_and_auto_budget() -> None:
 
 @pytest.mark.parametrize("bad, key", [
     ({"association_bits": 3}, "association_bits"),
+    ({"association_key_bits": 5}, "association_key_bits"),
     ({"core_tokens": -1}, "core_tokens"),
     ({"association_tokens": -0.5}, "association_tokens"),
     ({"association_tokens": "auto"}, "association_tokens"),

@@ -39,16 +39,18 @@ class AssociationStore:
 
     @classmethod
     def build(cls, k: torch.Tensor, v: torch.Tensor, bits: int, group: int,
-              page_ids: torch.Tensor | None = None) -> AssociationStore:
-        """Quantise ``k``/``v`` [B, H, T, D]; with ``page_ids`` [B, H, T] quantise residuals to page means."""
+              page_ids: torch.Tensor | None = None, key_bits: int | None = None) -> AssociationStore:
+        """Quantise ``k``/``v`` [B, H, T, D] (keys to ``key_bits`` when given, else ``bits``); with ``page_ids``
+        [B, H, T] quantise residuals to page means."""
+        kb = key_bits or bits
         if page_ids is None or k.shape[2] == 0:
-            return cls(quantize_keys(k, bits, group), quantize_values(v, bits))
+            return cls(quantize_keys(k, kb, group), quantize_values(v, bits))
         uniq, inverse = torch.unique(page_ids, return_inverse=True)
         anchor_k = page_means(k, inverse, len(uniq)).to(torch.float16)
         anchor_v = page_means(v, inverse, len(uniq)).to(torch.float16)
         res_k = k.float() - _gather_anchor(anchor_k, inverse).float()
         res_v = v.float() - _gather_anchor(anchor_v, inverse).float()
-        return cls(quantize_keys(res_k, bits, group), quantize_values(res_v, bits),
+        return cls(quantize_keys(res_k, kb, group), quantize_values(res_v, bits),
                    anchor_k, anchor_v, inverse.to(torch.int32))
 
     @property

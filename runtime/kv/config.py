@@ -29,6 +29,12 @@ class KVConfig(BaseModel):
     #: the full cache answered; at 1.0 none. Device share ~0.40 of a full cache instead of ~0.20.
     association_tokens: int | float = 1.0
     association_bits: Literal[2, 4, 8] = 4
+    #: Bits of the association *keys* (``None``: ``association_bits``). Keys set the softmax weight of every token
+    #: outside the core, so their error counts most. Default 8, chosen on issue 29's tuning half (165 questions,
+    #: H100): 4-bit keys lost 5 of 68 planted facts the full cache answered, 8-bit keys with 4-bit values none, and
+    #: their teacher-forced logit error sits at bf16's own noise (bench/RESULTS.md). Device share ~0.51 instead of
+    #: ~0.40; the fused GPU kernel reads 4-bit keys only, so set 4 there for speed over fidelity.
+    association_key_bits: Literal[2, 4, 8] | None = 8
     sink_tokens: int = 4
     recent_tokens: int = 64
     page_tokens: int = 64
@@ -77,11 +83,13 @@ class KVConfig(BaseModel):
     #: ``query_tokens``) and the rest is dropped for good, for every later question too.
     method: Literal["tiered", "evict"] = "tiered"
 
-    @field_validator("association_bits", mode="before")
+    @field_validator("association_bits", "association_key_bits", mode="before")
     @classmethod
-    def _bits(cls, value: object) -> object:
+    def _bits(cls, value: object, info) -> object:
+        if value is None and info.field_name == "association_key_bits":
+            return value
         if value not in (2, 4, 8) or isinstance(value, bool):
-            raise ValueError(f"association_bits must be 2, 4 or 8, got {value!r}; set association_bits: 4")
+            raise ValueError(f"{info.field_name} must be 2, 4 or 8, got {value!r}; set {info.field_name}: 4")
         return value
 
     @field_validator("core_tokens", "association_tokens", "candidate_tokens", mode="before")

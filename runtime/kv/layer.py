@@ -385,7 +385,7 @@ class TieredLayer(CacheLayerMixin):
             ai = _expand(assoc_idx, d, self.device)
             pages = page_ids[assoc_idx].to(self.device) if self.kv.differential else None
             self.assoc = AssociationStore.build(full_k.gather(2, ai), full_v.gather(2, ai), self.kv.association_bits,
-                                                self.kv.group_tokens, pages)
+                                                self.kv.group_tokens, pages, self.kv.association_key_bits)
             self.assoc_pos = assoc_idx
         else:
             self.assoc, self.assoc_pos = None, None
