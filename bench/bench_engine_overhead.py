@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import corpus_pdfs, save  # noqa: E402
-from pipelines import Pipeline  # noqa: E402
-from pipelines.sources import read_batches  # noqa: E402
-from stages.pdf import PdfOpen, PdfText  # noqa: E402
+from docfuse.pipelines import Pipeline  # noqa: E402
+from docfuse.pipelines.sources import read_batches  # noqa: E402
+from docfuse.stages.pdf import PdfOpen, PdfText  # noqa: E402
 
 REPEATS = 3
 

@@ -20,7 +20,7 @@ import pymupdf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import corpus_pdfs, save  # noqa: E402
-from pipelines import Pipeline  # noqa: E402
+from docfuse.pipelines import Pipeline  # noqa: E402
 
 
 def norm(text: str) -> str:

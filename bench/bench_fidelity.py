@@ -109,7 +109,7 @@ def write_pdf(text: str, path: Path) -> int:
 
 def make(out: Path, planted: int, real: int) -> None:
     from bench import fidelity_cases
-    from runtime.loading import load_tokenizer
+    from docfuse.runtime.loading import load_tokenizer
 
     tokenizer = load_tokenizer("default")
     out.mkdir(parents=True, exist_ok=True)
@@ -126,8 +126,8 @@ def make(out: Path, planted: int, real: int) -> None:
 def _timed_retiers() -> list[float]:
     """Wrap the caches' ``retier`` so each question's re-tier time is recorded (behaviour unchanged). The question's
     own forward pass is not counted: a full cache runs it too."""
-    from runtime.kv.eviction import SnapKVCache
-    from runtime.kv.tiered import TieredCache
+    from docfuse.runtime.kv.eviction import SnapKVCache
+    from docfuse.runtime.kv.tiered import TieredCache
 
     times: list[float] = []
     for cls in (TieredCache, SnapKVCache):
@@ -156,7 +156,7 @@ def torch_cuda_ready() -> bool:
 def run_config(cases_dir: Path, name: str, half: str | None, device: str, shard: tuple[int, int] = (0, 1)) -> Path:
     """Every case of ``half`` (or both) through pdf_qa_text with the config's kv block; answers to a JSONL file.
     ``shard`` (i, n) takes every n-th case from the i-th, so n processes share one config."""
-    from pipelines import Pipeline
+    from docfuse.pipelines import Pipeline
 
     kv = CONFIGS[name]
     retier_times = _timed_retiers()

@@ -30,11 +30,11 @@ import pymupdf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import save  # noqa: E402
-from fusion import checkpoint  # noqa: E402
-from fusion.synth import make_corpus  # noqa: E402
-from stages.fuse import DEFAULT_CHECKPOINT, FusionGate  # noqa: E402
-from stages.pdf import PdfOpen, PdfRender, PdfText  # noqa: E402
-from stages.vision import VisionPatches  # noqa: E402
+from docfuse.fusion import checkpoint  # noqa: E402
+from docfuse.fusion.synth import make_corpus  # noqa: E402
+from docfuse.stages.fuse import DEFAULT_CHECKPOINT, FusionGate  # noqa: E402
+from docfuse.stages.pdf import PdfOpen, PdfRender, PdfText  # noqa: E402
+from docfuse.stages.vision import VisionPatches  # noqa: E402
 
 CKPT = os.environ.get("DOCFUSE_FUSION_CKPT") or str(Path(__file__).resolve().parents[1] / DEFAULT_CHECKPOINT)
 
@@ -89,7 +89,7 @@ def image_only_pdf(path: Path, fact: str) -> None:
 
 
 def qa(n: int, tmp: Path) -> dict:
-    from pipelines import Pipeline
+    from docfuse.pipelines import Pipeline
 
     rng = random.Random(3)
     cases = []

@@ -35,16 +35,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.gpu.decode_graph import GraphDecoder  # noqa: E402
-from runtime.gpu import attention_kernel  # noqa: E402
-from runtime.gpu.attention_kernel import TUNED, kernel_flops_bytes, tiered_decode_attention  # noqa: E402
-from runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
-from runtime.gpu.reference import tiered_decode_reference  # noqa: E402
-from runtime.gpu.batch import stack_caches  # noqa: E402
-from runtime.kv.association import AssociationStore  # noqa: E402
-from runtime.kv.background import ArchiveWriter  # noqa: E402
-from runtime.layer_prefill import layer_major_prefill  # noqa: E402
-from runtime.session import cache_kwarg  # noqa: E402
+from docfuse.runtime.gpu.decode_graph import GraphDecoder  # noqa: E402
+from docfuse.runtime.gpu import attention_kernel  # noqa: E402
+from docfuse.runtime.gpu.attention_kernel import TUNED, kernel_flops_bytes, tiered_decode_attention  # noqa: E402
+from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
+from docfuse.runtime.gpu.reference import tiered_decode_reference  # noqa: E402
+from docfuse.runtime.gpu.batch import stack_caches  # noqa: E402
+from docfuse.runtime.kv.association import AssociationStore  # noqa: E402
+from docfuse.runtime.kv.background import ArchiveWriter  # noqa: E402
+from docfuse.runtime.layer_prefill import layer_major_prefill  # noqa: E402
+from docfuse.runtime.session import cache_kwarg  # noqa: E402
 
 KV = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "association_key_bits": 4}
 GB = 1e9

@@ -32,12 +32,12 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import runtime.session as session_module  # noqa: E402
+import docfuse.runtime.session as session_module  # noqa: E402
 from bench import kv_cases  # noqa: E402
 from bench.common import RESULTS, machine, save  # noqa: E402
-from runtime.kv import SnapKVCache, TieredCache  # noqa: E402
-from runtime.loading import load_model  # noqa: E402
-from runtime.session import Session  # noqa: E402
+from docfuse.runtime.kv import SnapKVCache, TieredCache  # noqa: E402
+from docfuse.runtime.loading import load_model  # noqa: E402
+from docfuse.runtime.session import Session  # noqa: E402
 
 MAX_NEW_TOKENS = 16  # the value comes within the first sentence of a right answer
 SPEED_NEW_TOKENS = 40  # 39 timed decode steps

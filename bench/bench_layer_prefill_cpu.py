@@ -54,8 +54,8 @@ class PeakRSS:
 
 def run_mode(mode: str, cases: int, target: int) -> dict:
     from bench import kv_cases
-    from runtime.loading import load_model
-    from runtime.session import Session
+    from docfuse.runtime.loading import load_model
+    from docfuse.runtime.session import Session
 
     model, tokenizer = load_model("default")
     session = Session(model, tokenizer, kv={**KV, "prefill": mode})

@@ -21,7 +21,7 @@ CHILD = """
 import time, json
 t0 = time.perf_counter()
 import torch, transformers
-from runtime.loading import load_model
+from docfuse.runtime.loading import load_model
 t1 = time.perf_counter()
 model, tok = load_model("default")
 t2 = time.perf_counter()

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime import loading  # noqa: E402
-from runtime.session import Session  # noqa: E402
+from docfuse.runtime import loading  # noqa: E402
+from docfuse.runtime.session import Session  # noqa: E402
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 KEY = "The pass key is 71432. Remember it. 71432 is the pass key. "

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kv_cases  # noqa: E402
 from bench.common import machine, save  # noqa: E402
 from bench.experiments.study_block_ablation import held_out_text  # noqa: E402
-from runtime.loading import load_model  # noqa: E402
-from runtime.pruning import DecisionHead, Pruner, find_head  # noqa: E402
-from runtime.pruning.ablation import blocks_of  # noqa: E402
-from runtime.pruning.calibrate import fidelity  # noqa: E402
-from runtime.session import Session  # noqa: E402
+from docfuse.runtime.loading import load_model  # noqa: E402
+from docfuse.runtime.pruning import DecisionHead, Pruner, find_head  # noqa: E402
+from docfuse.runtime.pruning.ablation import blocks_of  # noqa: E402
+from docfuse.runtime.pruning.calibrate import fidelity  # noqa: E402
+from docfuse.runtime.session import Session  # noqa: E402
 
 
 @torch.no_grad()

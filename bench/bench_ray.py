@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import corpus_pdfs, save  # noqa: E402
-from pipelines import Pipeline  # noqa: E402
-from pipelines.executor_ray import ensure_ray  # noqa: E402
+from docfuse.pipelines import Pipeline  # noqa: E402
+from docfuse.pipelines.executor_ray import ensure_ray  # noqa: E402
 
 REPEATS = 3
 CONFIGS = (("local", 8), ("ray", 8), ("ray", 2))

@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import save  # noqa: E402
-from stages import schemas  # noqa: E402
-from stages.vision import VisionPatches, init_checkpoint  # noqa: E402
+from docfuse.stages import schemas  # noqa: E402
+from docfuse.stages.vision import VisionPatches, init_checkpoint  # noqa: E402
 
 
 def pages_table(n: int) -> pa.Table:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from fusion.encoder import args_key, build_vit
-from fusion.model import Fusion, FusionConfig
+from docfuse.fusion.encoder import args_key, build_vit
+from docfuse.fusion.model import Fusion, FusionConfig
 
 
 @dataclass
@@ -123,7 +123,7 @@ def load_reader(path: str | Path, device: str = "cpu") -> Any:
     """The checkpoint's word reader (fusion.reader.WordReader, eval mode), or None when it has none."""
     from safetensors import safe_open
 
-    from fusion.reader import ReaderConfig, WordReader
+    from docfuse.fusion.reader import ReaderConfig, WordReader
 
     meta = read_meta(path)
     if "reader_config" not in meta:

@@ -1,7 +1,7 @@
 """``docfuse train-fusion``, ``train-fusion-read`` and ``eval-fusion``: the fusion's commands, beside what they train.
 
 They join ``docfuse`` through the ``docfuse.commands`` entry point (pipelines.commands). Option defaults come from
-fusion.config, as ``python -m fusion.run``'s do. torch and the model are imported only when a command runs, so
+fusion.config, as ``python -m docfuse.fusion.run``'s do. torch and the model are imported only when a command runs, so
 listing docfuse's commands stays quick.
 """
 
@@ -14,8 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fusion.config import CORPUS, STEER, TRAIN, ReaderTrainConfig, SteerTrainConfig, TrainConfig
-from pipelines.console import err, fail
+from docfuse.fusion.config import CORPUS, STEER, TRAIN, ReaderTrainConfig, SteerTrainConfig, TrainConfig
+from docfuse.pipelines.console import err, fail
 
 app = typer.Typer(add_completion=False)
 
@@ -31,7 +31,7 @@ WorkersOpt = Annotated[int, typer.Option(help="Processes that read and render PD
 
 def pdfs_or_fail(paths: list[Path], flag: str) -> list[Path]:
     """The PDFs under ``paths``; a usage error naming ``flag`` when a path is missing or holds no PDF."""
-    from fusion.run import pdf_files
+    from docfuse.fusion.run import pdf_files
 
     missing = [str(p) for p in paths if not p.exists()]
     files = pdf_files(paths) if not missing else []
@@ -47,7 +47,7 @@ def _safetensors_or_fail(out: Path) -> None:
 
 def _existing_checkpoint(given: Path, flag: str, how: str) -> Path:
     """``given`` as stages resolve checkpoints (relative to the project root too), or a usage error naming ``how``."""
-    from stages.vision_model import resolve_checkpoint
+    from docfuse.stages.vision_model import resolve_checkpoint
 
     path = resolve_checkpoint(str(given))
     if not path.is_file():
@@ -89,7 +89,7 @@ def train_fusion(
         fail("nothing to train on: give --corpus PDFs or --synthetic N")
     if not 0.0 <= read_share < 1.0:
         fail(f"--read-share {read_share}: give a share in [0, 1); the rest of the budget trains the full objective")
-    from fusion.run import load_decoder, train_from_pdfs
+    from docfuse.fusion.run import load_decoder, train_from_pdfs
 
     lm, tokenizer = load_decoder(model)
     config = TrainConfig(steps=steps, batch_pages=batch, time_budget_s=minutes * 60 if minutes else None,
@@ -130,7 +130,7 @@ def train_fusion_read(
     held_out = pdfs_or_fail(eval_corpus, "--eval") if eval_corpus else []
     if not train_set and synthetic <= 0:
         fail("nothing to train the read path on: give --corpus PDFs or --synthetic N")
-    from fusion.run import load_decoder, read_path
+    from docfuse.fusion.run import load_decoder, read_path
 
     lm, tokenizer = load_decoder(model)
     try:
@@ -155,7 +155,7 @@ def eval_fusion(
     """Masked-token recovery with the fusion vs text-only on the text pages of PDFs."""
     files = pdfs_or_fail(pdfs, "PDF")
     path = _existing_checkpoint(checkpoint, "--checkpoint", "make one with `docfuse train-fusion`")
-    from fusion.run import evaluate_pdfs, load_decoder
+    from docfuse.fusion.run import evaluate_pdfs, load_decoder
 
     lm, tokenizer = load_decoder(model, dtype="float32")
     try:

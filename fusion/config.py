@@ -1,6 +1,6 @@
 """The training configurations and the training commands' defaults, in one torch-free place.
 
-Why here: ``docfuse train-fusion`` / ``train-fusion-read`` (fusion/cli.py) and ``python -m fusion.run`` (the same
+Why here: ``docfuse train-fusion`` / ``train-fusion-read`` (fusion/cli.py) and ``python -m docfuse.fusion.run`` (the same
 training where only torch, timm, transformers and PyMuPDF are installed) both take their option defaults from these
 dataclasses, so the two ways in cannot drift apart again. Nothing here imports torch: the CLI reads these defaults
 when it starts, and listing commands must not pay for torch.

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fusion.encoder import patch_ink, stretch
-from fusion.tokens import Word
+from docfuse.fusion.encoder import patch_ink, stretch
+from docfuse.fusion.tokens import Word
 
 
 @dataclass

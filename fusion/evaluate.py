@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from fusion.features import encode
-from fusion.model import Fusion
-from fusion.objective import batch_streams, choose_mask
-from fusion.prepare import Prepared, patch_grid_boxes
-from fusion.reader import read_tokens
+from docfuse.fusion.features import encode
+from docfuse.fusion.model import Fusion
+from docfuse.fusion.objective import batch_streams, choose_mask
+from docfuse.fusion.prepare import Prepared, patch_grid_boxes
+from docfuse.fusion.reader import read_tokens
 
 
 def text_only(fusion: Fusion) -> Fusion:

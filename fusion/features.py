@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fusion.encoder import IMAGENET_MEAN, IMAGENET_STD, patch_tokens
+from docfuse.fusion.encoder import IMAGENET_MEAN, IMAGENET_STD, patch_tokens
 
 
 def encode(vit: Any, pixels: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.coords import CoordinateEmbedding, centres, has_box
+from docfuse.fusion.coords import CoordinateEmbedding, centres, has_box
 
 
 class PatchProjector(nn.Module):

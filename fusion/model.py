@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from fusion.coords import CoordinateEmbedding
-from fusion.layers import GatedCrossAttention, PatchProjector
-from fusion.visual import insertion_points, uncovered, windows
+from docfuse.fusion.coords import CoordinateEmbedding
+from docfuse.fusion.layers import GatedCrossAttention, PatchProjector
+from docfuse.fusion.visual import insertion_points, uncovered, windows
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion.model import Fusion, FusedPage
+from docfuse.fusion.model import Fusion, FusedPage
 
 
 @dataclass

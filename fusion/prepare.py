@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fusion.data import PageSample
-from fusion.objective import PageTensors
-from fusion.encoder import patch_grid
-from fusion.tokens import tokenize_page
+from docfuse.fusion.data import PageSample
+from docfuse.fusion.objective import PageTensors
+from docfuse.fusion.encoder import patch_grid
+from docfuse.fusion.tokens import tokenize_page
 
 
 @dataclass

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fusion.config import ReaderTrainConfig, SteerTrainConfig
-from fusion.features import encode
-from fusion.model import Fusion, FusionConfig
-from fusion.objective import batch_streams, choose_mask, pad_streams
-from fusion.prepare import Prepared, patch_grid_boxes
-from fusion.train import warmup_cosine
-from fusion.reader import (ReaderConfig, WordReader, ctc_loss, decode, group_boxes, group_texts,
+from docfuse.fusion.config import ReaderTrainConfig, SteerTrainConfig
+from docfuse.fusion.features import encode
+from docfuse.fusion.model import Fusion, FusionConfig
+from docfuse.fusion.objective import batch_streams, choose_mask, pad_streams
+from docfuse.fusion.prepare import Prepared, patch_grid_boxes
+from docfuse.fusion.train import warmup_cosine
+from docfuse.fusion.reader import (ReaderConfig, WordReader, ctc_loss, decode, group_boxes, group_texts,
                            ink_image, read_tokens, word_crops, word_groups)
 
 

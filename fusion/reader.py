@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.tokens import GRID
+from docfuse.fusion.tokens import GRID
 
 CHARSET = (string.digits + string.ascii_letters + string.punctuation
            + "\u2018\u2019\u201c\u201d\u2013\u2014\u2022\u2026\u20ac\u00a3\u00b0\u00b1\u00d7\u00a7\u00a9\u00ae"

@@ -1,6 +1,6 @@
 """Train and evaluate a fusion from PDF folders: what ``docfuse train-fusion`` and ``eval-fusion`` run.
 
-Also runnable on its own (``python -m fusion.run train ...``) where only torch, timm, transformers and PyMuPDF
+Also runnable on its own (``python -m docfuse.fusion.run train ...``) where only torch, timm, transformers and PyMuPDF
 are installed, as on a lent GPU. Its options take their defaults from fusion.config, as fusion/cli.py's do.
 """
 
@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from fusion import checkpoint
-from fusion.checkpoint import VisionSpec
-from fusion.config import CORPUS, READER, STEER, TRAIN, ReaderTrainConfig, SteerTrainConfig, TrainConfig
-from fusion.data import PageSample, read_pdf
-from fusion.evaluate import masked_recovery
-from fusion.prepare import Prepared, prepare
-from fusion.read_train import page_words, train_reader, train_steer, with_read_path
-from fusion.train import DEFAULT_VISION, train
+from docfuse.fusion import checkpoint
+from docfuse.fusion.checkpoint import VisionSpec
+from docfuse.fusion.config import CORPUS, READER, STEER, TRAIN, ReaderTrainConfig, SteerTrainConfig, TrainConfig
+from docfuse.fusion.data import PageSample, read_pdf
+from docfuse.fusion.evaluate import masked_recovery
+from docfuse.fusion.prepare import Prepared, prepare
+from docfuse.fusion.read_train import page_words, train_reader, train_steer, with_read_path
+from docfuse.fusion.train import DEFAULT_VISION, train
 
 MAX_TOKENS = 512  # tokens of a page used in training and evaluation (a page of prose is ~400-700)
 SHEET_TOKENS = 8192  # a word sheet's words all train the reader (random strings take many tokens)
@@ -65,7 +65,7 @@ def prepared(samples: Sequence[PageSample], tokenizer: Any, max_tokens: int = MA
 
 def synthetic(n_docs: int, seed: int, out_dir: Path, workers: int = 1) -> tuple[list[Path], dict[str, list]]:
     """The project's own training PDFs (fusion.synth) and, per file, the known text of its scanned pages."""
-    from fusion.synth import make_corpus
+    from docfuse.fusion.synth import make_corpus
 
     made = make_corpus(out_dir, n_docs, seed=seed, workers=workers)
     return [Path(m["path"]) for m in made], {m["path"]: [pg["text"] for pg in m["pages"]] for m in made}
@@ -133,7 +133,7 @@ def load_decoder(name: str = "default", device: str | None = None, dtype: str | 
     On CUDA when present (``device=None``), in bf16 there and in fp32 on CPU unless ``dtype`` says otherwise:
     training keeps fp32 on CPU even where the CPU computes bf16, which load_model's ``auto`` would pick.
     """
-    from runtime.loading import load_model, resolve_device
+    from docfuse.runtime.loading import load_model, resolve_device
 
     device = resolve_device(device)
     return load_model(name, dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"), device=device)
@@ -152,7 +152,7 @@ def read_path_pages(tokenizer: Any, vision: VisionSpec, corpus: Sequence[str | P
         pages = prepared(read_many(docs, vision, truths, workers), tokenizer)
         sheet_pages = []
         if sheets:
-            from fusion.synth_words import make_sheets
+            from docfuse.fusion.synth_words import make_sheets
 
             made = make_sheets(Path(tmp) / "sheets", sheets, seed=sheets_seed, workers=workers)
             sheet_pages = prepared(read_many(made, vision, None, workers), tokenizer, SHEET_TOKENS)
@@ -224,8 +224,8 @@ def read_path(decoder: Any, tokenizer: Any, *, init: Path, out: Path, corpus: Se
 
 
 def parser() -> argparse.ArgumentParser:
-    """``python -m fusion.run``'s options; their defaults are fusion.config's, as ``docfuse train-fusion``'s are."""
-    ap = argparse.ArgumentParser(prog="python -m fusion.run")
+    """``python -m docfuse.fusion.run``'s options; their defaults are fusion.config's, as ``docfuse train-fusion``'s are."""
+    ap = argparse.ArgumentParser(prog="python -m docfuse.fusion.run")
     ap.add_argument("verb", choices=["train", "pack", "read", "reader"])
     ap.add_argument("src", nargs="?", type=Path, help="pack: the checkpoint to re-save")
     ap.add_argument("--model", default="default", help="decoder: 'default', a Hugging Face folder or a .gguf file")
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.verb == "pack":
         print(pack(args.src, args.out))
         return
-    command = "python -m fusion.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m docfuse.fusion.run " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.synthetic is None:
         args.synthetic = CORPUS.synthetic_docs if args.verb == "train" else CORPUS.read_synthetic_docs
     reader_config = ReaderTrainConfig(steps=args.reader_steps, batch_words=args.reader_batch, seed=args.seed,

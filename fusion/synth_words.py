@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pymupdf
 
-from fusion.synth import _date, _ident, _money, _sentences
+from docfuse.fusion.synth import _date, _ident, _money, _sentences
 
 _BASE14 = ("helv", "hebo", "heit", "hebi", "tiro", "tibo", "tiit", "tibi", "cour", "cobo")
 _EXTRA = ("figo", "figbo", "figit", "figbi", "fimo", "notos", "notosbo", "notosit", "notosbi", "ubuntu",

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fusion.checkpoint import VisionSpec, untrained
-from fusion.config import TrainConfig
-from fusion.evaluate import masked_recovery
-from fusion.features import encode
-from fusion.model import Fusion
-from fusion.objective import PageTargets, batch_streams, choose_mask, pad_streams, reading_logits
-from fusion.prepare import Prepared, patch_grid_boxes
+from docfuse.fusion.checkpoint import VisionSpec, untrained
+from docfuse.fusion.config import TrainConfig
+from docfuse.fusion.evaluate import masked_recovery
+from docfuse.fusion.features import encode
+from docfuse.fusion.model import Fusion
+from docfuse.fusion.objective import PageTargets, batch_streams, choose_mask, pad_streams, reading_logits
+from docfuse.fusion.prepare import Prepared, patch_grid_boxes
 
 #: The default vision encoder: a small ViT that reads a 96-dpi page at 1024x768 (16-px patches, 64x48 grid).
 #: A 3-layer ViT at 1024x768 (3072 patches of 16 px, a page at about 96 dpi). Attention stays within windows of

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fusion.coords import centres, has_box
-from fusion.tokens import GRID
+from docfuse.fusion.coords import centres, has_box
+from docfuse.fusion.tokens import GRID
 
 
 @dataclass

@@ -20,17 +20,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipelines.commands import mount
-from pipelines.console import USAGE, err, fail
-from pipelines.engines import choose_executor
-from pipelines.executor import RunReport, StageSetupError
-from pipelines.executor_ray import RayUnavailable
-from pipelines.pipeline import Pipeline
-from pipelines.planning import make_plan
-from pipelines.registry import all_stages
-from pipelines.sources import InputError, count
-from pipelines.spec import builtin_pipelines
-from pipelines.validate import PipelineInvalid, check
+from docfuse.pipelines.commands import mount
+from docfuse.pipelines.console import USAGE, err, fail
+from docfuse.pipelines.engines import choose_executor
+from docfuse.pipelines.executor import RunReport, StageSetupError
+from docfuse.pipelines.executor_ray import RayUnavailable
+from docfuse.pipelines.pipeline import Pipeline
+from docfuse.pipelines.planning import make_plan
+from docfuse.pipelines.registry import all_stages
+from docfuse.pipelines.sources import InputError, count
+from docfuse.pipelines.spec import builtin_pipelines
+from docfuse.pipelines.validate import PipelineInvalid, check
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="docfuse: declarative pipelines that turn "
                   "long documents into answers.")

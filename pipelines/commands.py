@@ -17,7 +17,8 @@ GROUP = "docfuse.commands"
 #: docfuse's own command modules, as pyproject.toml declares them. An editable install made before an entry was
 #: added to pyproject.toml keeps its old metadata until it is reinstalled (``make setup`` does it), and its group
 #: lacks the entry; such entries are loaded from here instead, by the same name, so their commands never go missing.
-BUILTIN = (EntryPoint("fusion", "fusion.cli:app", GROUP), EntryPoint("pruning", "runtime.pruning.cli:app", GROUP))
+BUILTIN = (EntryPoint("fusion", "docfuse.fusion.cli:app", GROUP),
+           EntryPoint("pruning", "docfuse.runtime.pruning.cli:app", GROUP))
 
 
 def command_entry_points() -> list[EntryPoint]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from pipelines.executor import LocalExecutor
-from pipelines.executor_ray import RayExecutor
+from docfuse.pipelines.executor import LocalExecutor
+from docfuse.pipelines.executor_ray import RayExecutor
 
 if TYPE_CHECKING:
-    from pipelines.spec import PipelineSpec
+    from docfuse.pipelines.spec import PipelineSpec
 
 ENGINES = ("local", "ray")
 

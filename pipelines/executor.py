@@ -25,14 +25,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.cache import StageCache, stable_hash
-from pipelines.planning import Plan, make_plan
-from pipelines.sources import SOURCES, read_batches, table_batches
-from pipelines.stage import Stage, conform, error_value
-from pipelines.validate import PipelineInvalid, check
+from docfuse.pipelines.cache import StageCache, stable_hash
+from docfuse.pipelines.planning import Plan, make_plan
+from docfuse.pipelines.sources import SOURCES, read_batches, table_batches
+from docfuse.pipelines.stage import Stage, conform, error_value
+from docfuse.pipelines.validate import PipelineInvalid, check
 
 if TYPE_CHECKING:
-    from pipelines.spec import PipelineSpec
+    from docfuse.pipelines.spec import PipelineSpec
 
 
 class StageSetupError(RuntimeError):

@@ -44,17 +44,17 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.cache import StageCache
-from pipelines.executor import (
+from docfuse.pipelines.cache import StageCache
+from docfuse.pipelines.executor import (
     RunReport, Sink, StageSetupError, StageStep, count_rows, plan_steps, setup_stage, sources_key,
 )
-from pipelines.planning import make_plan
-from pipelines.sources import SOURCE_SCHEMA, SOURCES, Entry, expand, read_entry, table_batches
-from pipelines.stage import Stage, conform
-from pipelines.validate import PipelineInvalid, check
+from docfuse.pipelines.planning import make_plan
+from docfuse.pipelines.sources import SOURCE_SCHEMA, SOURCES, Entry, expand, read_entry, table_batches
+from docfuse.pipelines.stage import Stage, conform
+from docfuse.pipelines.validate import PipelineInvalid, check
 
 if TYPE_CHECKING:
-    from pipelines.spec import PipelineSpec
+    from docfuse.pipelines.spec import PipelineSpec
 
 INSTALL_HINT = "pip install 'docfuse[ray]'"
 SEQ, BATCH, CACHED, DOCS, TABLE = "__seq", "__batch", "__cached", "__docs", "__table"

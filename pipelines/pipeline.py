@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipelines.engines import choose_executor
-from pipelines.executor import RunReport
-from pipelines.spec import PipelineSpec
-from pipelines.validate import validate
+from docfuse.pipelines.engines import choose_executor
+from docfuse.pipelines.executor import RunReport
+from docfuse.pipelines.spec import PipelineSpec
+from docfuse.pipelines.validate import validate
 
 
 class Pipeline(PipelineSpec):

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from pipelines.stage import Stage, Unread
+from docfuse.pipelines.stage import Stage, Unread
 
 if TYPE_CHECKING:
-    from pipelines.spec import PipelineSpec
+    from docfuse.pipelines.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
 

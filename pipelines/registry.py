@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from importlib.metadata import entry_points
 
-from pipelines.stage import Stage
+from docfuse.pipelines.stage import Stage
 
 _REGISTRY: dict[str, type[Stage]] = {}
 _loaded = False

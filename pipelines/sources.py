@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from pipelines.stage import error_value
+from docfuse.pipelines.stage import error_value
 
 SOURCE_SCHEMA = pa.schema([
     pa.field("doc_id", pa.string()),

@@ -9,12 +9,12 @@ import networkx as nx
 import pyarrow as pa
 from pydantic import ValidationError
 
-from pipelines.registry import find_stage, suggest
-from pipelines.sources import SOURCE_SCHEMA, SOURCES
-from pipelines.stage import Stage
+from docfuse.pipelines.registry import find_stage, suggest
+from docfuse.pipelines.sources import SOURCE_SCHEMA, SOURCES
+from docfuse.pipelines.stage import Stage
 
 if TYPE_CHECKING:
-    from pipelines.spec import PipelineSpec
+    from docfuse.pipelines.spec import PipelineSpec
 
 
 class PipelineInvalid(Exception):

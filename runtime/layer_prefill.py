@@ -30,9 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from runtime.kv.background import ArchiveWriter
-from runtime.kv.tiered import TieredCache
-from runtime.llama_block import LlamaBlock, rope
+from docfuse.runtime.kv.background import ArchiveWriter
+from docfuse.runtime.kv.tiered import TieredCache
+from docfuse.runtime.llama_block import LlamaBlock, rope
 
 #: GIL hand-off interval (s) while helper threads run beside the layer loop (Python's default is 5 ms).
 HANDOFF_S = 1e-4

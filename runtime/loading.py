@@ -102,7 +102,7 @@ def cpu_has_bf16() -> bool:
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     """``auto``/None: bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs.
 
-    On a 2-core AVX512-BF16 CPU (python -m runtime.bench) bf16 prefilled 2.2x faster than fp32 and decoded ~10%
+    On a 2-core AVX512-BF16 CPU (python -m docfuse.runtime.bench) bf16 prefilled 2.2x faster than fp32 and decoded ~10%
     faster, with the same pass-key answers up to 7K tokens.
     """
     if isinstance(dtype, torch.dtype):

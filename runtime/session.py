@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from runtime import metrics
-from runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question, read_question
-from runtime.kv.code_attention import reading_codes
-from runtime.kv.queries import record_queries
-from runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
-from runtime.pruning import Pruner, PruningConfig, find_head
+from docfuse.runtime import metrics
+from docfuse.runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question, read_question
+from docfuse.runtime.kv.code_attention import reading_codes
+from docfuse.runtime.kv.queries import record_queries
+from docfuse.runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
+from docfuse.runtime.pruning import Pruner, PruningConfig, find_head
 
 #: Room kept for a question when ``prefill_document`` is not told the questions.
 DEFAULT_QUESTION_RESERVE = 64
@@ -278,8 +278,8 @@ class Session:
     def _layer_major(self, ids: list[int], chunk_size: int, embeds: torch.Tensor | None) -> None:
         """``kv.prefill: layers``: the whole prefix one layer at a time (runtime.layer_prefill); on CUDA the archive
         is written by background threads while the next layer runs."""
-        from runtime.kv.background import ArchiveWriter
-        from runtime.layer_prefill import layer_major_prefill
+        from docfuse.runtime.kv.background import ArchiveWriter
+        from docfuse.runtime.layer_prefill import layer_major_prefill
 
         if self.device.type == "cuda" and self._writer is None:
             self._writer = ArchiveWriter()

@@ -1,3 +1,3 @@
 """docfuse's stage library. Importing it registers every built-in stage kind with the engine."""
 
-from stages import decode, fuse, pdf, text, vision  # noqa: F401  (registration side effects)
+from docfuse.stages import decode, fuse, pdf, text, vision  # noqa: F401  (registration side effects)

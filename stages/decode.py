@@ -12,9 +12,9 @@ from typing import Any, ClassVar, Literal
 import pyarrow as pa
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from pipelines.registry import register
-from pipelines.stage import Stage, StageParams, error_value
-from stages import schemas
+from docfuse.pipelines.registry import register
+from docfuse.pipelines.stage import Stage, StageParams, error_value
+from docfuse.stages import schemas
 
 PAGE_COLUMNS = ("doc_id", "source", "page", "text")
 
@@ -41,14 +41,14 @@ class DecodeParams(StageParams):
     @field_validator("kv")
     @classmethod
     def _kv(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        from runtime.kv import KVConfig
+        from docfuse.runtime.kv import KVConfig
 
         return _sub_block("kv", KVConfig, value)
 
     @field_validator("pruning")
     @classmethod
     def _pruning(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        from runtime.pruning import PruningConfig
+        from docfuse.runtime.pruning import PruningConfig
 
         return _sub_block("pruning", PruningConfig, value)
 
@@ -98,9 +98,9 @@ class DecodeGenerate(Stage):
     session: Any = None
 
     def setup(self) -> None:
-        from runtime.prompt import DEFAULT_SYSTEM, ChatPrompt
-        from runtime.session import Session
-        from stages.models import shared_model
+        from docfuse.runtime.prompt import DEFAULT_SYSTEM, ChatPrompt
+        from docfuse.runtime.session import Session
+        from docfuse.stages.models import shared_model
 
         p = self.params
         model, tokenizer = shared_model(p.model, p.dtype, p.device)
@@ -149,8 +149,8 @@ class DecodeGenerate(Stage):
 
     def _answer_document(self, doc_id: str, source: str | None, pages: list[tuple[int, str]],
                          questions: list[str], fused: list[tuple[int, Any]] | None = None) -> list[dict]:
-        from runtime.prompt import document_text
-        from runtime.session import ContextTooLong
+        from docfuse.runtime.prompt import document_text
+        from docfuse.runtime.session import ContextTooLong
 
         def errors(kind: str, message: str) -> list[dict]:
             return [_row(doc_id, source, q, error=error_value(kind, message)) for q in questions]
@@ -189,8 +189,8 @@ class DecodeGenerate(Stage):
         """Prompt head + per page (marker, fused rows), pages joined as document_text joins them."""
         import torch
 
-        from runtime.prompt import page_marker
-        from runtime.session import ContextTooLong
+        from docfuse.runtime.prompt import page_marker
+        from docfuse.runtime.session import ContextTooLong
 
         with torch.inference_mode():  # embedding lookups only: no autograd graph
             session, p = self.session, self.params
@@ -217,7 +217,7 @@ def fused_pages(table: pa.Table) -> dict[str, list[tuple[int, Any]]]:
 
     A document whose pages all stayed text-only is left out: it takes the text path, exactly as without fusion.
     """
-    from stages.fuse import fused_rows
+    from docfuse.stages.fuse import fused_rows
 
     docs: dict[str, list] = {}
     applied: set[str] = set()

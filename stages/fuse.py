@@ -16,11 +16,11 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
-from pipelines.registry import register
-from pipelines.stage import Stage, StageParams, Unread, error_value
-from stages import schemas
+from docfuse.pipelines.registry import register
+from docfuse.pipelines.stage import Stage, StageParams, Unread, error_value
+from docfuse.stages import schemas
 
-DEFAULT_CHECKPOINT = "data/fusion/smollm2-135m-instruct.safetensors"
+DEFAULT_CHECKPOINT = "data/fusion/smollm2-135m-instruct.safetensors"  # package data: see vision_model.resolve_checkpoint
 TEXT_COLUMNS = ("doc_id", "source", "page", "text", "image_only", "page_width", "page_height", "words")
 #: Errors of pdf.render / vision.patches that concern only a page's picture, not its text.
 IMAGE_ONLY_ERRORS = {"page_too_large", "bad_image", "bad_page_size"}
@@ -77,13 +77,13 @@ class FusionGate(Stage):
         self._why: str | None = None
 
     def _path(self):
-        from stages.vision_model import resolve_checkpoint
+        from docfuse.stages.vision_model import resolve_checkpoint
 
         c = self.params.checkpoint
         return None if c is None else resolve_checkpoint(DEFAULT_CHECKPOINT if c == "default" else c)
 
     def output(self) -> pa.Schema:
-        from fusion.checkpoint import read_meta
+        from docfuse.fusion.checkpoint import read_meta
 
         path = self._path()
         if path is not None and path.is_file():
@@ -99,7 +99,7 @@ class FusionGate(Stage):
         """``patches`` when the pages will be text-only whatever they show, so the engine renders none and runs no
         ViT: no checkpoint, ``apply: never``, or under ``apply: auto`` a checkpoint that lost to text-only on its
         own held-out pages (its metadata says so; nothing is loaded)."""
-        from fusion.checkpoint import read_meta
+        from docfuse.fusion.checkpoint import read_meta
 
         path, p = self._path(), self.params
         if path is None or p.apply == "never":
@@ -115,8 +115,8 @@ class FusionGate(Stage):
     def setup(self) -> None:
         import torch
 
-        from fusion.checkpoint import decoder_fingerprint, load
-        from stages.models import shared_model
+        from docfuse.fusion.checkpoint import decoder_fingerprint, load
+        from docfuse.stages.models import shared_model
 
         # decode.generate's defaults: one copy of the decoder in the process serves both stages
         model, self._tokenizer = shared_model(self.params.model, "auto", "auto")
@@ -134,7 +134,7 @@ class FusionGate(Stage):
         if why:  # the engine warned when it planned the run (Stage.unread_inputs)
             self._why = f"text_only: {why}"
             return
-        from runtime.loading import cpu_has_bf16
+        from docfuse.runtime.loading import cpu_has_bf16
 
         bf16 = p.dtype == "bfloat16" or (p.dtype == "auto" and self._device.type == "cpu" and cpu_has_bf16())
         self._fusion = fusion.to(torch.bfloat16 if bf16 else torch.float32)
@@ -142,7 +142,7 @@ class FusionGate(Stage):
     def pass_errors(self, errors: pa.Table) -> pa.Table:
         """Upstream errors, once each; a page that only lost its image (too large, bad PNG) is no error here:
         its text row goes on text-only."""
-        from pipelines.stage import conform
+        from docfuse.pipelines.stage import conform
 
         keep, seen = [], set()
         n = errors.num_rows
@@ -165,7 +165,7 @@ class FusionGate(Stage):
     def _page(self, r: dict, patch: dict | None) -> dict:
         import torch
 
-        from fusion.tokens import Word, tokenize_page
+        from docfuse.fusion.tokens import Word, tokenize_page
 
         row = {"doc_id": r["doc_id"], "source": r["source"], "page": r["page"], "text": r["text"],
                "image_only": r["image_only"], "error": None}

@@ -9,7 +9,7 @@ _MODELS: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
 def shared_model(name: str, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
     """(model, tokenizer) of ``name`` (runtime.loading names), loaded on first use and kept for the process."""
-    from runtime.loading import load_model, resolve_device
+    from docfuse.runtime.loading import load_model, resolve_device
 
     key = (name, dtype, resolve_device(device))
     if key not in _MODELS:

@@ -14,13 +14,13 @@ import pyarrow as pa
 import pymupdf
 from pydantic import Field
 
-from pipelines.registry import register
-from pipelines.stage import Stage, StageParams, error_value
-from stages import schemas
-from stages.pdf_extract import PageContent, extract_page
-from stages.pdf_layout import Block, DocStyle, doc_style, layout_page
-from stages.pdf_open import PdfOpenError, open_pdf
-from stages.pdf_tables import PageTable, TablesMode, find_page_tables
+from docfuse.pipelines.registry import register
+from docfuse.pipelines.stage import Stage, StageParams, error_value
+from docfuse.stages import schemas
+from docfuse.stages.pdf_extract import PageContent, extract_page
+from docfuse.stages.pdf_layout import Block, DocStyle, doc_style, layout_page
+from docfuse.stages.pdf_open import PdfOpenError, open_pdf
+from docfuse.stages.pdf_tables import PageTable, TablesMode, find_page_tables
 
 _PDF_IN = pa.schema([f for f in schemas.PDF_DOC if f.name in ("doc_id", "source", "pdf")])
 

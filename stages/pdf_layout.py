@@ -18,8 +18,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from stages.pdf_extract import Line, PageContent, Word
-from stages.pdf_tables import PageTable
+from docfuse.stages.pdf_extract import Line, PageContent, Word
+from docfuse.stages.pdf_tables import PageTable
 
 HEADING_RATIO = 1.15       # a size this much above the body size is a heading candidate
 SMALL_RATIO = 0.88         # at or below this, small type (footnote candidate)

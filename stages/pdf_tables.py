@@ -38,7 +38,7 @@ from typing import Literal
 import pymupdf
 import pymupdf.table
 
-from stages.pdf_extract import Line, PageContent, Word, bbox_of, extract_page
+from docfuse.stages.pdf_extract import Line, PageContent, Word, bbox_of, extract_page
 
 TablesMode = Literal["auto", "always", "never"]
 

@@ -6,7 +6,7 @@ applies, ``page`` (0-based), and ends with ``error`` (null on good rows, ``"kind
 
 import pyarrow as pa
 
-from pipelines.sources import SOURCE_SCHEMA
+from docfuse.pipelines.sources import SOURCE_SCHEMA
 
 ERROR = pa.field("error", pa.string())
 DOC = [pa.field("doc_id", pa.string()), pa.field("source", pa.string())]

@@ -12,11 +12,11 @@ from typing import ClassVar, Literal
 import pyarrow as pa
 from pydantic import Field
 
-from pipelines.registry import register
-from pipelines.stage import Stage, StageParams, error_value
-from stages import schemas
-from stages.text_decode import NotText, decode_text, looks_like_pdf
-from stages.text_split import split_pages
+from docfuse.pipelines.registry import register
+from docfuse.pipelines.stage import Stage, StageParams, error_value
+from docfuse.stages import schemas
+from docfuse.stages.text_decode import NotText, decode_text, looks_like_pdf
+from docfuse.stages.text_split import split_pages
 
 MARKDOWN_SUFFIXES = frozenset({".md", ".markdown", ".mdown", ".mkd", ".mkdn"})
 

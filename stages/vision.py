@@ -18,15 +18,15 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, field_validator
 
-from fusion.encoder import patch_ink, patch_tokens
-from pipelines.registry import register
-from pipelines.stage import Stage, StageParams, error_value
-from stages import schemas
-from stages.vision_geometry import patch_boxes, patch_grid, tensor_column
-from stages.vision_image import BadImage, load_page
-from stages.vision_model import (HOW_TO_MAKE, as_args, create, geometry, init_checkpoint, load_weights,
+from docfuse.fusion.encoder import patch_ink, patch_tokens
+from docfuse.pipelines.registry import register
+from docfuse.pipelines.stage import Stage, StageParams, error_value
+from docfuse.stages import schemas
+from docfuse.stages.vision_geometry import patch_boxes, patch_grid, tensor_column
+from docfuse.stages.vision_image import BadImage, load_page
+from docfuse.stages.vision_model import (HOW_TO_MAKE, as_args, create, geometry, init_checkpoint, load_weights,
                                  resolve_checkpoint, size_arg)
-from stages.vision_spec import PLAIN_DEFAULTS, resolve
+from docfuse.stages.vision_spec import PLAIN_DEFAULTS, resolve
 
 __all__ = ["VisionPatches", "VisionPatchesParams", "init_checkpoint", "patches_schema"]
 

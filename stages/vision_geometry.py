@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from fusion.encoder import patch_grid as fusion_patch_grid
+from docfuse.fusion.encoder import patch_grid as fusion_patch_grid
 
 
 

@@ -10,7 +10,7 @@ import io
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fusion.encoder import normalise, stretch
+from docfuse.fusion.encoder import normalise, stretch
 
 
 class BadImage(ValueError):

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from docfuse.data import shipped
+
 if TYPE_CHECKING:  # torch and timm are imported lazily: listing stages must not pay for them
     import torch
 
 Args = tuple[tuple[str, Any], ...]
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 HOW_TO_MAKE = (
     "train one with `docfuse train-fusion` (issue #5), or write an untrained one with "
     "`python -c \"from stages.vision import init_checkpoint; init_checkpoint('{path}', model='{model}'{size})\"` "
@@ -46,14 +47,14 @@ def create(model: str, image_size: tuple[int, int], device: str | None = None, a
 
     ``args``: architecture overrides as sorted ``(name, value)`` pairs (``depth``, ``embed_dim``, ...).
     """
-    from fusion.encoder import build_vit
+    from docfuse.fusion.encoder import build_vit
 
     return build_vit(model, image_size, dict(args), device)
 
 
 def as_args(model_args: dict[str, Any] | None) -> Args:
     """Hashable, order-free form of ``model_args`` (the cache key of ``geometry``)."""
-    from fusion.encoder import args_key
+    from docfuse.fusion.encoder import args_key
 
     return args_key(model_args)
 
@@ -72,7 +73,7 @@ def geometry(model: str, image_size: tuple[int, int], args: Args = ()) -> Geomet
     if (rows, cols) != (height // patch[0], width // patch[1]):
         raise ValueError(f"timm built {model} with a {rows}x{cols} patch grid for image_size {list(image_size)}; "
                          "pick a plain ViT (no patch-grid pooling)")
-    from fusion.encoder import prefix_tokens
+    from docfuse.fusion.encoder import prefix_tokens
 
     return Geometry(patch_size=patch, rows=rows, cols=cols, dim=int(net.num_features),
                     prefix_tokens=prefix_tokens(net))
@@ -96,12 +97,16 @@ def _default_size(model: str) -> tuple[int, int]:
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """The checkpoint as given (``~`` expanded), else relative to the project root, so shipped YAML works anywhere."""
+    """The checkpoint as given (``~`` expanded), else, for ``data/...``, the shipped package data (docfuse.data), so
+    shipped YAML works from any directory and from an installed wheel."""
     given = Path(path).expanduser()
     if given.is_file() or given.is_absolute():
         return given
-    in_project = PROJECT_ROOT / given
-    return in_project if in_project.is_file() else given
+    if given.parts and given.parts[0] == "data":
+        packaged = shipped("/".join(given.parts[1:]))
+        if packaged.is_file():
+            return packaged
+    return given
 
 
 def read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -166,7 +171,7 @@ def load_weights(net: Any, path: Path, model: str, image_size: tuple[int, int]) 
 
 def _square_size_hint(tokens: int, net: Any) -> str:
     """The square image size a position embedding of ``tokens`` entries was made for, when it is square."""
-    from fusion.encoder import prefix_tokens
+    from docfuse.fusion.encoder import prefix_tokens
 
     patches = tokens - (0 if getattr(net, "no_embed_class", False) else prefix_tokens(net))
     side = math.isqrt(max(patches, 0))

@@ -30,7 +30,7 @@ def fusion_vision(path: Path) -> dict[str, Any] | None:
     """The ViT a fusion checkpoint was trained with, as the stage's parameters spell it; None for any other file."""
     if not path.is_file() or path.suffix != ".safetensors":
         return None
-    from fusion.checkpoint import read_meta, vision_spec  # torch: only when there is a file to read
+    from docfuse.fusion.checkpoint import read_meta, vision_spec  # torch: only when there is a file to read
 
     try:
         spec = vision_spec(read_meta(path))

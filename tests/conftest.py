@@ -24,8 +24,8 @@ def smollm2() -> tuple[Any, Any]:
     this copy. Tests must leave it as they found it (no pruner, no changed weights); a test that rewires the model
     loads its own.
     """
-    from runtime.loading import ModelNotFoundError
-    from stages.models import shared_model
+    from docfuse.runtime.loading import ModelNotFoundError
+    from docfuse.stages.models import shared_model
 
     try:
         return shared_model("default", "float32", "cpu")

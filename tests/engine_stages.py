@@ -8,9 +8,9 @@ from typing import Literal
 import pyarrow as pa
 from pydantic import Field
 
-from pipelines.registry import register
-from pipelines.sources import SOURCE_SCHEMA
-from pipelines.stage import Stage, StageParams, Unread, error_value
+from docfuse.pipelines.registry import register
+from docfuse.pipelines.sources import SOURCE_SCHEMA
+from docfuse.pipelines.stage import Stage, StageParams, Unread, error_value
 
 LINES = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("page", pa.int32()),
                    ("text", pa.string()), ("error", pa.string())])

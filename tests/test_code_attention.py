@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from runtime.gpu.reference import tiered_decode_reference
-from runtime.kv import TieredCache, prepare_question
-from runtime.kv import code_attention as ca
-from runtime.kv.association import AssociationStore
-from runtime.session import cache_kwarg
+from docfuse.runtime.gpu.reference import tiered_decode_reference
+from docfuse.runtime.kv import TieredCache, prepare_question
+from docfuse.runtime.kv import code_attention as ca
+from docfuse.runtime.kv.association import AssociationStore
+from docfuse.runtime.session import cache_kwarg
 
 
 def tiers(b: int, hkv: int, d: int, n_core: int, n_assoc: int, bits: int, seed: int = 0):

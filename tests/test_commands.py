@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import typer
 
-from fusion import cli as fusion_cli
-from fusion.config import CORPUS, TRAIN, TrainConfig
-from fusion.run import parser
-from pipelines import commands
+from docfuse.fusion import cli as fusion_cli
+from docfuse.fusion.config import CORPUS, TRAIN, TrainConfig
+from docfuse.fusion.run import parser
+from docfuse.pipelines import commands
 
 ROOT = Path(__file__).resolve().parents[1]
 MOUNTED = {"train-fusion", "train-fusion-read", "eval-fusion", "calibrate-pruning"}
@@ -37,7 +37,7 @@ def test_docfuse_lists_the_mounted_commands_without_importing_torch() -> None:
 def test_builtin_commands_load_even_where_the_installed_metadata_lacks_them(monkeypatch) -> None:
     monkeypatch.setattr(commands, "entry_points", lambda group: [])
     assert commands.command_entry_points() == list(commands.BUILTIN)
-    listed = [EntryPoint("fusion", "fusion.cli:app", commands.GROUP)]
+    listed = [EntryPoint("fusion", "docfuse.fusion.cli:app", commands.GROUP)]
     monkeypatch.setattr(commands, "entry_points", lambda group: listed)
     assert [ep.name for ep in commands.command_entry_points()] == ["fusion", "pruning"]
 
@@ -86,8 +86,8 @@ def test_both_ways_into_fusion_load_the_decoder_through_runtimes_one_loader(monk
     import torch
     from typer.testing import CliRunner
 
-    from fusion import run
-    from runtime import loading
+    from docfuse.fusion import run
+    from docfuse.runtime import loading
 
     calls: list[tuple[str, str, str]] = []
     monkeypatch.setattr(loading, "load_model", lambda name, dtype, device: calls.append((name, dtype, device)) or

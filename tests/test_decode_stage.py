@@ -6,9 +6,9 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from pipelines.registry import find_stage
-from stages import schemas
-from stages.decode import DecodeGenerate, group_pages
+from docfuse.pipelines.registry import find_stage
+from docfuse.stages import schemas
+from docfuse.stages.decode import DecodeGenerate, group_pages
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -79,7 +79,7 @@ def test_empty_batch_gives_an_empty_table():
 
 
 def test_unknown_model_fails_setup_with_the_fix():
-    from runtime.loading import ModelNotFoundError
+    from docfuse.runtime.loading import ModelNotFoundError
 
     with pytest.raises(ModelNotFoundError, match="model: default"):
         stage("q", model="./no/such/model").setup()

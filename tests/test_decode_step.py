@@ -18,12 +18,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from runtime.gpu import attention_kernel as ak
-from runtime.gpu import fused_ops
-from runtime.gpu.decode_step import StaticDecode, explicit_supported
-from runtime.gpu.kernel_cache import KernelTieredCache, register_attention
-from runtime.layer_prefill import layer_major_prefill
-from runtime.session import cache_kwarg
+from docfuse.runtime.gpu import attention_kernel as ak
+from docfuse.runtime.gpu import fused_ops
+from docfuse.runtime.gpu.decode_step import StaticDecode, explicit_supported
+from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention
+from docfuse.runtime.layer_prefill import layer_major_prefill
+from docfuse.runtime.session import cache_kwarg
 
 GPU = pytest.mark.skipif(not (ak.HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and a CUDA GPU")
 KV = {"core_tokens": 0.1, "association_tokens": 0.25, "recent_tokens": 16, "query_tokens": 24,
@@ -177,8 +177,8 @@ INTERPRETED = textwrap.dedent("""
     except Exception as e:
         print(f"SKIP: Triton {triton.__version__}'s interpreter cannot run a loop bounded by an argument ({e})")
         raise SystemExit(0)
-    from runtime.gpu import fused_ops
-    from runtime.gpu.fused_ops import _use_triton
+    from docfuse.runtime.gpu import fused_ops
+    from docfuse.runtime.gpu.fused_ops import _use_triton
     assert _use_triton(torch.zeros(1)), "the interpreter did not take the Triton path"
     torch.manual_seed(0)
     def both(fn, *args):
@@ -208,9 +208,9 @@ INTERPRETED = textwrap.dedent("""
     l, acc = torch.rand(2, 3, 40) + 0.1, torch.randn(2, 3, 40, 16)
     torch.testing.assert_close(*both(fused_ops.combine_splits, m, l, acc, torch.float32), rtol=1e-5, atol=1e-5)
     # the tier kernel itself (packed 4-bit association tier + core), static and device-side core lengths
-    from runtime.gpu import attention_kernel as ak
-    from runtime.gpu.reference import tiered_decode_reference
-    from runtime.kv.association import AssociationStore
+    from docfuse.runtime.gpu import attention_kernel as ak
+    from docfuse.runtime.gpu.reference import tiered_decode_reference
+    from docfuse.runtime.kv.association import AssociationStore
     ck, cv = torch.randn(2, 2, 75, 64), torch.randn(2, 2, 75, 64)
     assoc = AssociationStore.build(torch.randn(2, 2, 300, 64) * 2, torch.randn(2, 2, 300, 64), 4, 32)
     q = torch.randn(2, 8, 64)
@@ -239,7 +239,7 @@ def test_every_decode_kernel_under_the_triton_interpreter_matches_its_torch_path
 @GPU
 @pytest.mark.parametrize("explicit", [True, False])
 def test_graph_decode_matches_eager_decode_on_gpu(explicit: bool) -> None:
-    from runtime.gpu.decode_graph import GraphDecoder
+    from docfuse.runtime.gpu.decode_graph import GraphDecoder
 
     model = tiny(seed=5).to("cuda", torch.bfloat16)
     cache, tok = prefilled(model, 900, "cuda")

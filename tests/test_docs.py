@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import Pipeline
-from pipelines.registry import all_stages
-from pipelines.sources import SOURCE_SCHEMA
-from pipelines.spec import builtin_pipelines
-from stages.schemas import PAGE_LAYOUT_FIELDS
+from docfuse.pipelines import Pipeline
+from docfuse.pipelines.registry import all_stages
+from docfuse.pipelines.sources import SOURCE_SCHEMA
+from docfuse.pipelines.spec import builtin_pipelines
+from docfuse.stages.schemas import PAGE_LAYOUT_FIELDS
 from tests.test_engine_layers import runtime_imports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def text() -> str:
 
 def shipped_stages() -> dict:
     """The registered stage kinds that docfuse ships (tests register toy stages of their own)."""
-    return {kind: cls for kind, cls in all_stages().items() if cls.__module__.split(".")[0] in PACKAGES}
+    return {kind: cls for kind, cls in all_stages().items() if cls.__module__.removeprefix("docfuse.").split(".")[0] in PACKAGES}
 
 
 def spans(markdown: str) -> list[str]:

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import tests.engine_stages as toy
-from pipelines import Pipeline
-from pipelines.executor import LocalExecutor
-from pipelines.sources import SOURCE_SCHEMA, doc_id_for, read_batches
-from pipelines.validate import PipelineInvalid, validate
+from docfuse.pipelines import Pipeline
+from docfuse.pipelines.executor import LocalExecutor
+from docfuse.pipelines.sources import SOURCE_SCHEMA, doc_id_for, read_batches
+from docfuse.pipelines.validate import PipelineInvalid, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from pipelines import Pipeline, executor, executor_ray, sources, validate
-from pipelines.engines import choose_executor
-from pipelines.executor import LocalExecutor
+from docfuse.pipelines import Pipeline, executor, executor_ray, sources, validate
+from docfuse.pipelines.engines import choose_executor
+from docfuse.pipelines.executor import LocalExecutor
 from tests.test_engine import TOY_YAML
 
 ENGINE = Path(__file__).resolve().parents[1] / "pipelines"
@@ -18,7 +18,8 @@ ENGINE = Path(__file__).resolve().parents[1] / "pipelines"
 
 def runtime_imports(path: Path, type_only_too: bool = False) -> set[str]:
     """Modules ``path`` imports when it runs (lazily inside functions too); those under ``if TYPE_CHECKING`` only
-    with ``type_only_too``."""
+    with ``type_only_too``. Named by folder, as the repository lays them out: ``docfuse.runtime.kv`` is
+    ``runtime.kv``."""
     tree = ast.parse(path.read_text())
     skipped = set() if type_only_too else {
         id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
@@ -31,7 +32,7 @@ def runtime_imports(path: Path, type_only_too: bool = False) -> set[str]:
             found.add(node.module)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    return found
+    return {m.removeprefix("docfuse.") for m in found}
 
 
 def engine_graph() -> nx.DiGraph:

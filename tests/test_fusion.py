@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from fusion import checkpoint
-from fusion.checkpoint import VisionSpec, decoder_fingerprint, untrained
-from fusion.evaluate import masked_recovery, text_only
-from fusion.model import Fusion, FusionConfig, interleave
-from fusion.objective import PageTensors, batch_streams, choose_mask
-from fusion.prepare import patch_grid_boxes
-from fusion.tokens import NO_BOX, Word, align_words, tokenize_page
-from fusion.visual import uncovered, windows
+from docfuse.fusion import checkpoint
+from docfuse.fusion.checkpoint import VisionSpec, decoder_fingerprint, untrained
+from docfuse.fusion.evaluate import masked_recovery, text_only
+from docfuse.fusion.model import Fusion, FusionConfig, interleave
+from docfuse.fusion.objective import PageTensors, batch_streams, choose_mask
+from docfuse.fusion.prepare import patch_grid_boxes
+from docfuse.fusion.tokens import NO_BOX, Word, align_words, tokenize_page
+from docfuse.fusion.visual import uncovered, windows
 
 HIDDEN = 576  # SmolLM2-135M
 ROWS, COLS = 8, 6
@@ -478,9 +478,9 @@ def test_batch_streams_pages_do_not_leak_into_each_other(decoder) -> None:
 
 @pytest.fixture(scope="module")
 def synthetic_pages(decoder, tmp_path_factory: pytest.TempPathFactory):
-    from fusion.data import read_pdf
-    from fusion.prepare import prepare
-    from fusion.synth import make_pdf
+    from docfuse.fusion.data import read_pdf
+    from docfuse.fusion.prepare import prepare
+    from docfuse.fusion.synth import make_pdf
 
     _, tok = decoder
     made = make_pdf(tmp_path_factory.mktemp("fusion") / "a.pdf", seed=1, pages=2)
@@ -491,7 +491,7 @@ def synthetic_pages(decoder, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.slow
 def test_end_to_end_eval_then_a_training_step(decoder, synthetic_pages) -> None:
-    from fusion.train import TrainConfig, train
+    from docfuse.fusion.train import TrainConfig, train
 
     model, _ = decoder
     pages = synthetic_pages
@@ -518,7 +518,7 @@ def test_end_to_end_eval_then_a_training_step(decoder, synthetic_pages) -> None:
 
 @pytest.mark.slow
 def test_train_runs_the_configured_number_of_steps(decoder, synthetic_pages) -> None:
-    from fusion.train import TrainConfig, train
+    from docfuse.fusion.train import TrainConfig, train
 
     model, _ = decoder
     _, fusion, history = train(model, synthetic_pages, TrainConfig(steps=1, batch_pages=1, warmup=1), vision=SPEC,
@@ -529,7 +529,7 @@ def test_train_runs_the_configured_number_of_steps(decoder, synthetic_pages) -> 
 
 @pytest.mark.slow
 def test_reading_logits_score_each_boxed_row_against_its_next_token(decoder, synthetic_pages) -> None:
-    from fusion.objective import reading_logits
+    from docfuse.fusion.objective import reading_logits
 
     model, _ = decoder
     embed = model.get_input_embeddings()
@@ -551,7 +551,7 @@ def test_reading_logits_score_each_boxed_row_against_its_next_token(decoder, syn
 
 @pytest.mark.slow
 def test_reading_phase_trains_the_reader_and_leaves_the_gates_shut(decoder, synthetic_pages) -> None:
-    from fusion.train import TrainConfig, train
+    from docfuse.fusion.train import TrainConfig, train
 
     model, _ = decoder
     vit0, _ = untrained(SPEC, hidden=HIDDEN)
@@ -592,7 +592,7 @@ def test_a_fusion_without_the_mlp_branch_trains_saves_and_loads(tmp_path) -> Non
 
 def _char_boxes_per_word(text, words, page_width, page_height):
     """The straightforward form of fusion.tokens.char_boxes: one linspace per word."""
-    from fusion.tokens import GRID, align_words
+    from docfuse.fusion.tokens import GRID, align_words
 
     boxes = np.full((len(text), 4), -1.0, dtype=np.float32)
     sx, sy = GRID / float(page_width), GRID / float(page_height)
@@ -615,7 +615,7 @@ def _span_boxes_per_token(chars, offsets):
 
 
 def test_vectorised_token_boxes_equal_the_per_word_and_per_token_forms_bit_for_bit() -> None:
-    from fusion.tokens import Word, char_boxes, span_boxes
+    from docfuse.fusion.tokens import Word, char_boxes, span_boxes
 
     rng = np.random.default_rng(3)
     vocab = ["alpha", "b", "Total", "12,500.00", "x", "overlong-hyphenated", "€", "Ω"]
@@ -644,8 +644,8 @@ def test_a_windowed_sam_vit_gives_row_major_patch_features_and_a_json_safe_spec(
     as [B, P, D] in patch_grid's row-major order, and its list-valued args must survive the checkpoint's JSON."""
     import json
 
-    from fusion.encoder import patch_tokens
-    from stages.vision_model import as_args, geometry
+    from docfuse.fusion.encoder import patch_tokens
+    from docfuse.stages.vision_model import as_args, geometry
 
     args = {"depth": 1, "embed_dim": 32, "num_heads": 1, "window_size": 4, "global_attn_indexes": [],
             "use_rel_pos": False, "neck_chans": 0}

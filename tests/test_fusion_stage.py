@@ -11,14 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from fusion import checkpoint
-from fusion.checkpoint import VisionSpec
-from pipelines.registry import find_stage
-from stages.decode import DecodeGenerate, fused_pages
-from stages.fuse import FusionGate, fused_rows
-from stages.models import shared_model
-from stages.pdf import PdfOpen, PdfRender, PdfText
-from stages.vision import VisionPatches
+from docfuse.fusion import checkpoint
+from docfuse.fusion.checkpoint import VisionSpec
+from docfuse.pipelines.registry import find_stage
+from docfuse.stages.decode import DecodeGenerate, fused_pages
+from docfuse.stages.fuse import FusionGate, fused_rows
+from docfuse.stages.models import shared_model
+from docfuse.stages.pdf import PdfOpen, PdfRender, PdfText
+from docfuse.stages.vision import VisionPatches
 from tests.pdf_fixtures import write_figures_doc
 
 SPEC = VisionSpec("vit_tiny_patch16_224", {"depth": 1, "embed_dim": 64, "num_heads": 1}, (128, 96))
@@ -51,7 +51,7 @@ def upstream(pdf: Path, ckpt: Path) -> tuple[pa.Table, pa.Table]:
 
 
 def test_registered_and_pdf_qa_wires_it():
-    from pipelines import Pipeline
+    from docfuse.pipelines import Pipeline
 
     assert find_stage("fusion.gate") is FusionGate
     qa = Pipeline.from_yaml("pdf_qa")
@@ -61,8 +61,8 @@ def test_registered_and_pdf_qa_wires_it():
 def test_pdf_qa_plans_from_the_checkpoints_verdict(caplog):
     """apply: auto with the shipped checkpoint (below text-only on its held-out pages): no render, no ViT, and a
     warning with what to set and what it costs; always: both run; never or no checkpoint: skipped, no warning."""
-    from pipelines import Pipeline
-    from pipelines.executor import LocalExecutor
+    from docfuse.pipelines import Pipeline
+    from docfuse.pipelines.executor import LocalExecutor
 
     auto = LocalExecutor(Pipeline.from_yaml("pdf_qa"))
     assert auto.order == ["pages", "text", "fused", "answer"] and set(auto.plan.skipped) == {"render", "patches"}
@@ -181,8 +181,8 @@ def test_decode_from_a_gate_zero_fused_stream_equals_the_text_path(tmp_path, mod
     assert fused.column("answer").to_pylist() == plain.column("answer").to_pylist()
     d = DecodeGenerate(context=question)
     d.setup()
-    from runtime.prompt import document_text
-    from stages.decode import group_pages
+    from docfuse.runtime.prompt import document_text
+    from docfuse.stages.decode import group_pages
 
     ids, _ = d._fused_prefix(fused_pages_all(out)["d"], ["What is the monthly fee?"])
     assert ids == list(d.session.prompt.prefix(document_text(group_pages(text)["d"]["pages"])).ids)
@@ -198,14 +198,14 @@ def fused_pages_all(table: pa.Table) -> dict:
 def _cli(*args: str):
     from typer.testing import CliRunner
 
-    from pipelines.cli import app
+    from docfuse.pipelines.cli import app
 
     return CliRunner().invoke(app, list(args))
 
 
 @pytest.mark.slow
 def test_eval_fusion_prints_the_json_the_issue_names(tmp_path):
-    from fusion.synth import make_pdf
+    from docfuse.fusion.synth import make_pdf
 
     pdf = make_pdf(tmp_path / "held.pdf", seed=11, pages=1)["path"]
     result = _cli("eval-fusion", pdf, "--json")
@@ -236,7 +236,7 @@ def test_fusion_commands_refuse_bad_input_with_the_fix(args, message):
 @pytest.mark.slow
 def test_pdf_qa_answers_a_document_whose_pages_are_too_large_to_render_text_only(tmp_path):
     """A render error concerns the picture only: one answer row per question, no error row."""
-    from pipelines import Pipeline
+    from docfuse.pipelines import Pipeline
 
     qa = Pipeline.from_yaml("pdf_qa")
     qa.set("params.question", "What is the monthly fee?")
@@ -252,7 +252,7 @@ def test_pdf_qa_answers_a_document_whose_pages_are_too_large_to_render_text_only
 def test_pdf_qa_with_its_rejected_checkpoint_answers_exactly_as_pdf_qa_text(monkeypatch):
     """The shipped checkpoint under apply: auto: the run never renders or runs the ViT, and answers as pdf_qa_text;
     under apply: always both run."""
-    from pipelines import Pipeline
+    from docfuse.pipelines import Pipeline
 
     calls: list[str] = []
     for cls in (PdfRender, VisionPatches):

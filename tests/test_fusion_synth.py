@@ -10,7 +10,7 @@ from pathlib import Path
 import pymupdf
 import pytest
 
-from fusion.synth import make_corpus, make_pdf
+from docfuse.fusion.synth import make_corpus, make_pdf
 
 MIN_WORDS = 40
 MARGIN = 36.0  # no text closer than this to a page edge (margins are drawn from 40-72 pt)

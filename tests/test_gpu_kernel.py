@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from runtime.gpu import attention_kernel as ak
-from runtime.gpu.kernel_cache import KernelTieredCache, register_attention
-from runtime.gpu.reference import tiered_decode_reference
-from runtime.kv import TieredCache, code_attention
-from runtime.kv.association import AssociationStore
-from runtime.session import cache_kwarg
+from docfuse.runtime.gpu import attention_kernel as ak
+from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention
+from docfuse.runtime.gpu.reference import tiered_decode_reference
+from docfuse.runtime.kv import TieredCache, code_attention
+from docfuse.runtime.kv.association import AssociationStore
+from docfuse.runtime.session import cache_kwarg
 
 GPU = pytest.mark.skipif(not (ak.HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and a CUDA GPU")
 
@@ -91,7 +91,7 @@ def fused_vs_plain(device: str, dtype: torch.dtype, monkeypatch) -> tuple[torch.
           "association_key_bits": 4}  # the kernel reads 4-bit keys only
     plain = greedy_logits(model, TieredCache(model.config, kv), ids, 3)
     calls = []
-    from runtime.gpu import kernel_cache
+    from docfuse.runtime.gpu import kernel_cache
 
     real = kernel_cache.KernelTieredLayer.decode_attention
     monkeypatch.setattr(kernel_cache.KernelTieredLayer, "decode_attention",
@@ -150,7 +150,7 @@ def test_fused_decode_path_matches_tiered_cache_on_gpu(monkeypatch) -> None:
 
 @GPU
 def test_cuda_graph_decode_matches_eager_fused_decode() -> None:
-    from runtime.gpu.decode_graph import GraphDecoder
+    from docfuse.runtime.gpu.decode_graph import GraphDecoder
 
     model = tiny().to("cuda", torch.bfloat16)
     model.config._attn_implementation = register_attention()

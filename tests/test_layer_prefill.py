@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from runtime.gpu import attention_kernel as ak
-from runtime.gpu.batch import stack_caches
-from runtime.gpu.kernel_cache import KernelTieredCache, register_attention
-from runtime.kv import TieredCache, record_queries
-from runtime.kv.background import ArchiveWriter, ExactArchive
-from runtime.layer_prefill import causal_attention, layer_major_prefill
-from runtime.session import cache_kwarg
+from docfuse.runtime.gpu import attention_kernel as ak
+from docfuse.runtime.gpu.batch import stack_caches
+from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention
+from docfuse.runtime.kv import TieredCache, record_queries
+from docfuse.runtime.kv.background import ArchiveWriter, ExactArchive
+from docfuse.runtime.layer_prefill import causal_attention, layer_major_prefill
+from docfuse.runtime.session import cache_kwarg
 
 GPU = pytest.mark.skipif(not (ak.HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and a CUDA GPU")
 KV = {"core_tokens": 0.1, "association_tokens": 0.25, "recent_tokens": 16, "query_tokens": 24}
@@ -141,7 +141,7 @@ def test_archive_writer_is_exact_and_tops_up_short_blocks(dtype: torch.dtype) ->
 
 
 def test_archive_writer_sends_long_tensors_in_pieces_of_whole_blocks(monkeypatch) -> None:
-    from runtime.kv import background
+    from docfuse.runtime.kv import background
 
     monkeypatch.setattr(background, "STAGING_BYTES", 2 * 3 * 16 * 4 * 100)  # 100 tokens a piece -> 64-token pieces
     k = torch.randn(1, 3, 1000, 16)
@@ -155,8 +155,8 @@ def test_archive_writer_sends_long_tensors_in_pieces_of_whole_blocks(monkeypatch
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arena", ["new", None])
 def test_archive_writer_blocks_are_byte_for_byte_those_of_the_host_packer(dtype: torch.dtype, arena) -> None:
-    from runtime.kv.background import pack_blocks
-    from runtime.kv.host_arena import HostArena
+    from docfuse.runtime.kv.background import pack_blocks
+    from docfuse.runtime.kv.host_arena import HostArena
 
     k = (torch.randn(2, 3, 530, 16) * 3).to(dtype)  # four whole 128-token blocks and a short one
     v = torch.randn(2, 3, 530, 16).to(dtype)
@@ -176,7 +176,7 @@ def test_archive_writer_blocks_are_byte_for_byte_those_of_the_host_packer(dtype:
 
 
 def test_archive_writer_errors_surface_where_blocks_are_read(monkeypatch) -> None:
-    from runtime.kv import background
+    from docfuse.runtime.kv import background
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("worker died")
@@ -255,7 +255,7 @@ def test_layer_major_prefill_matches_the_model_in_bf16_on_gpu() -> None:
 
 @GPU
 def test_graph_with_a_skip_set_leaves_the_model_intact() -> None:
-    from runtime.gpu.decode_graph import GraphDecoder
+    from docfuse.runtime.gpu.decode_graph import GraphDecoder
 
     model = tiny(seed=4).to("cuda", torch.bfloat16)
     model.config._attn_implementation = register_attention()
@@ -274,7 +274,7 @@ def test_graph_with_a_skip_set_leaves_the_model_intact() -> None:
 
 
 def test_auto_core_budget_gives_every_layer_the_same_tiers(monkeypatch) -> None:
-    from runtime.kv import config as kv_config
+    from docfuse.runtime.kv import config as kv_config
 
     free = iter(range(300_000, 0, -40_000))  # free memory shrinks as layers fill: sizes must not follow it
     monkeypatch.setattr(kv_config, "free_device_bytes", lambda _device: next(free))
@@ -326,7 +326,7 @@ def test_the_gil_hands_off_quickly_while_helper_threads_run_and_the_setting_come
 def test_host_arena_hands_out_disjoint_slices_and_gives_large_pieces_their_own_map() -> None:
     import numpy as np
 
-    from runtime.kv.host_arena import HostArena
+    from docfuse.runtime.kv.host_arena import HostArena
 
     arena = HostArena(chunk_bytes=1000, first_chunk_bytes=250)
     views = [arena.take(90) for _ in range(30)]  # chunks of 250, 500, 1000, 1000, 1000: 2 + 5 + 11 + 11 + 1 slices
@@ -349,7 +349,7 @@ def test_host_arena_hands_out_disjoint_slices_and_gives_large_pieces_their_own_m
 def test_overlapping_prefills_restore_the_gil_interval_only_when_the_last_one_ends() -> None:
     import sys
 
-    from runtime.layer_prefill import _quick_handoff
+    from docfuse.runtime.layer_prefill import _quick_handoff
 
     before = sys.getswitchinterval()
     with _quick_handoff(3e-4):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from runtime.kv import TieredCache
-from runtime.layer_prefill import DocumentAttention, layer_major_prefill
-from runtime.llama_block import LlamaBlock
+from docfuse.runtime.kv import TieredCache
+from docfuse.runtime.layer_prefill import DocumentAttention, layer_major_prefill
+from docfuse.runtime.llama_block import LlamaBlock
 
 TIGHT = {"rtol": 1e-5, "atol": 1e-5}
 

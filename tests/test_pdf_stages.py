@@ -12,10 +12,10 @@ import pymupdf
 import pytest
 from pydantic import ValidationError
 
-from stages import schemas
-from stages.pdf import MAX_SIDE_PX, PdfOpen, PdfRender, PdfText, fit_dpi
-from stages.pdf_open import PdfOpenError, open_pdf
-from stages.pdf_tables import table_gate_report, to_markdown
+from docfuse.stages import schemas
+from docfuse.stages.pdf import MAX_SIDE_PX, PdfOpen, PdfRender, PdfText, fit_dpi
+from docfuse.stages.pdf_open import PdfOpenError, open_pdf
+from docfuse.stages.pdf_tables import table_gate_report, to_markdown
 from tests import pdf_fixtures as F
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,7 +219,7 @@ def test_rotated_page_reads_upright_in_the_rendered_frame(fx):
 
 
 def test_join_lines_dehyphenates_and_keeps_list_items():
-    from stages.pdf_layout import join_lines
+    from docfuse.stages.pdf_layout import join_lines
 
     assert join_lines(["an exam-", "ple of re-", "Flow", "• first item", "• second", "1. numbered"]) == (
         "an example of re- Flow\n• first item\n• second\n1. numbered")
@@ -267,7 +267,7 @@ def test_auto_gate_runs_find_tables_only_where_rules_form_a_grid(fx):
 
 
 def test_grid_gate_counts_rules_and_stroked_boxes_but_not_shading():
-    from stages.pdf_tables import grid_signal
+    from docfuse.stages.pdf_tables import grid_signal
 
     doc = pymupdf.open()
     shaded = doc.new_page(width=612, height=792)
@@ -327,8 +327,8 @@ def test_contents_page_becomes_a_table_of_titles_and_page_numbers(fx):
 
 
 def test_prose_full_of_figures_stays_prose(fx):
-    from stages.pdf_extract import extract_page
-    from stages.pdf_tables import figure_tables, unruled_tables
+    from docfuse.stages.pdf_extract import extract_page
+    from docfuse.stages.pdf_tables import figure_tables, unruled_tables
 
     text = page_texts(fx["figures"])[2]["text"]
     assert not _table_lines(text)
@@ -350,7 +350,7 @@ def test_figures_gate_report_counts_unruled_tables_without_find_tables(fx):
     ("1.", False),
 ])
 def test_is_figure(text, figure):
-    from stages.pdf_tables import is_figure
+    from docfuse.stages.pdf_tables import is_figure
 
     assert is_figure(text) is figure
 
@@ -387,7 +387,7 @@ def test_text_and_render_turn_bad_documents_into_error_rows(fx):
 
 
 def test_a_failing_page_is_an_error_row_and_the_other_pages_are_fine(fx, monkeypatch):
-    import stages.pdf as pdf_stage
+    import docfuse.stages.pdf as pdf_stage
 
     real = pdf_stage.extract_page
 

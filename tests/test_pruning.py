@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from runtime import loading
-from runtime.kv import TieredCache
-from runtime.pruning import DecisionHead, Pruner, PruningConfig, find_head
-from runtime.pruning.ablation import ablated_log_probs, dense_trace, kl_and_flip
-from runtime.pruning.calibrate import fidelity, labels_of, train_head
-from runtime.pruning.config import SHIPPED_HEADS
-from runtime.pruning.head import model_fingerprint
-from runtime.session import Session
+from docfuse.runtime import loading
+from docfuse.runtime.kv import TieredCache
+from docfuse.runtime.pruning import DecisionHead, Pruner, PruningConfig, find_head
+from docfuse.runtime.pruning.ablation import ablated_log_probs, dense_trace, kl_and_flip
+from docfuse.runtime.pruning.calibrate import fidelity, labels_of, train_head
+from docfuse.runtime.pruning.config import SHIPPED_HEADS
+from docfuse.runtime.pruning.head import model_fingerprint
+from docfuse.runtime.session import Session
 
 TEXT = ("The lease runs for twelve months from the first of March. The tenant pays a monthly fee of 840 euros, "
         "due on the fifth day of each month, into the landlord's account. Either party may end the lease with "
@@ -179,7 +179,7 @@ def test_pruned_decoding_with_the_tiered_cache_keeps_the_cache_consistent(lm):
 def test_safe_mode_and_threshold_zero_are_exactly_the_dense_model(lm, request_override, monkeypatch):
     model, tokenizer = lm
     head = random_head(model, seed=4)
-    monkeypatch.setattr("runtime.session.find_head", lambda *_: head)
+    monkeypatch.setattr("docfuse.runtime.session.find_head", lambda *_: head)
     question = "What is the monthly fee?"
     dense = Session(model, tokenizer)
     dense.prefill(dense.fit_document(TEXT))
@@ -198,8 +198,8 @@ def test_safe_mode_and_threshold_zero_are_exactly_the_dense_model(lm, request_ov
 @pytest.mark.slow
 def test_a_model_without_a_head_decodes_dense_and_says_so_once(lm, monkeypatch, tmp_path, caplog):
     model, tokenizer = lm
-    monkeypatch.setattr("runtime.pruning.config.SHIPPED_HEADS", tmp_path)
-    monkeypatch.setattr("runtime.pruning.config._warned", set())
+    monkeypatch.setattr("docfuse.runtime.pruning.config.SHIPPED_HEADS", tmp_path)
+    monkeypatch.setattr("docfuse.runtime.pruning.config._warned", set())
     with caplog.at_level(logging.WARNING, logger="docfuse.pruning"):
         first = Session(model, tokenizer, pruning={"threshold": 0.15})
         Session(model, tokenizer, pruning={"threshold": 0.15})
@@ -210,7 +210,7 @@ def test_a_model_without_a_head_decodes_dense_and_says_so_once(lm, monkeypatch, 
 @pytest.mark.slow
 def test_training_and_fidelity_run_on_real_labels(lm):
     """A head trained on two labelled windows runs the sweep; threshold 0 skips nothing and agrees fully."""
-    from runtime.pruning.ablation import window_labels
+    from docfuse.runtime.pruning.ablation import window_labels
 
     model, tokenizer = lm
     ids = ids_of(tokenizer, TEXT * 2)[:80]
@@ -238,7 +238,7 @@ def test_shipped_head_fits_the_embedded_model_when_present(lm):
 
 
 def test_pruning_block_is_validated_with_accepted_keys():
-    from stages.decode import DecodeParams
+    from docfuse.stages.decode import DecodeParams
 
     with pytest.raises(ValueError, match="accepted keys: threshold, safe_mode, head"):
         DecodeParams(pruning={"treshold": 0.2})
@@ -252,11 +252,11 @@ def test_pruning_block_is_validated_with_accepted_keys():
 def test_pdf_qa_rows_carry_the_skipped_fraction_and_safe_mode_per_run(lm, monkeypatch, context, skips):
     import pyarrow as pa
 
-    from stages.decode import DecodeGenerate
+    from docfuse.stages.decode import DecodeGenerate
 
     model, _ = lm
     head = random_head(model, seed=5)
-    monkeypatch.setattr("runtime.session.find_head", lambda *_: head)
+    monkeypatch.setattr("docfuse.runtime.session.find_head", lambda *_: head)
     stage = DecodeGenerate(context={"question": "What is the monthly fee?", **context},
                            pruning={"threshold": 0.5}, max_new_tokens=8, dtype="float32", device="cpu")
     pages = pa.table({"doc_id": ["d"], "source": ["d.pdf"], "page": [1], "text": [TEXT]})
@@ -337,7 +337,7 @@ def test_tune_mode_runs_the_hard_decisions_and_passes_gradients_to_the_head(lm):
 def test_tuning_raises_the_skip_rate_toward_its_target_and_refuses_bad_targets(lm):
     import copy
 
-    from runtime.pruning.tune import measure_substitutes, tune_head
+    from docfuse.runtime.pruning.tune import measure_substitutes, tune_head
 
     model, tokenizer = lm
     ids = ids_of(tokenizer, TEXT * 3)
@@ -365,7 +365,7 @@ def test_tuning_raises_the_skip_rate_toward_its_target_and_refuses_bad_targets(l
 
 @pytest.mark.slow
 def test_calibrate_tunes_an_initial_head_without_labels_and_scores_every_candidate(lm, monkeypatch, tmp_path):
-    import runtime.pruning.calibrate as calibration
+    import docfuse.runtime.pruning.calibrate as calibration
 
     model, tokenizer = lm
     short = calibration.text_windows
@@ -393,7 +393,7 @@ def test_calibrate_tunes_an_initial_head_without_labels_and_scores_every_candida
     ({"top1_agreement": 0.89, "skipped_fraction": 0.01}, {"top1_agreement": 0.88, "skipped_fraction": 0.04}, True),
 ])
 def test_candidate_rule_meets_the_target_first_then_skips_more_within_a_tie(row, best, wins):
-    from runtime.pruning.calibrate import _better
+    from docfuse.runtime.pruning.calibrate import _better
 
     assert _better(row, best, 0.95) is wins
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from runtime.kv import TieredCache, prepare_question, read_question
-from runtime.kv.eviction import SnapKVCache
-from runtime.kv.tiered import make_cache
-from runtime.layer_prefill import layer_major_prefill
-from runtime.session import cache_kwarg
+from docfuse.runtime.kv import TieredCache, prepare_question, read_question
+from docfuse.runtime.kv.eviction import SnapKVCache
+from docfuse.runtime.kv.tiered import make_cache
+from docfuse.runtime.layer_prefill import layer_major_prefill
+from docfuse.runtime.session import cache_kwarg
 from tests.test_layer_prefill import doc, tiny
 
 KV = {"core_tokens": 0.1, "association_tokens": 0.25, "recent_tokens": 16, "query_tokens": 24}

@@ -19,13 +19,13 @@ from pydantic import Field
 from typer.testing import CliRunner
 
 import tests.engine_stages as toy
-from pipelines import Pipeline
-from pipelines.cli import app
-from pipelines.executor import StageSetupError
-from pipelines.executor_ray import RayExecutor, RayUnavailable
-from pipelines.registry import register
-from pipelines.sources import read_batches
-from pipelines.stage import Stage, StageParams
+from docfuse.pipelines import Pipeline
+from docfuse.pipelines.cli import app
+from docfuse.pipelines.executor import StageSetupError
+from docfuse.pipelines.executor_ray import RayExecutor, RayUnavailable
+from docfuse.pipelines.registry import register
+from docfuse.pipelines.sources import read_batches
+from docfuse.pipelines.stage import Stage, StageParams
 from tests.pdf_fixtures import write_all
 from tests.test_engine import PICK_YAML, TOY_YAML, write_docs
 

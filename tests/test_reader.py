@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from fusion import checkpoint
-from fusion.checkpoint import VisionSpec, untrained
-from fusion.evaluate import masked_recovery, text_only
-from fusion.objective import batch_streams, choose_mask
-from fusion.prepare import patch_grid_boxes
-from fusion.read_train import (ReaderTrainConfig, SteerTrainConfig, page_words, reader_accuracy, train_reader,
+from docfuse.fusion import checkpoint
+from docfuse.fusion.checkpoint import VisionSpec, untrained
+from docfuse.fusion.evaluate import masked_recovery, text_only
+from docfuse.fusion.objective import batch_streams, choose_mask
+from docfuse.fusion.prepare import patch_grid_boxes
+from docfuse.fusion.read_train import (ReaderTrainConfig, SteerTrainConfig, page_words, reader_accuracy, train_reader,
                                train_steer, with_read_path)
-from fusion.reader import (CHARSET, UNKNOWN, ReaderConfig, WordReader, decode, encode_text, group_boxes,
+from docfuse.fusion.reader import (CHARSET, UNKNOWN, ReaderConfig, WordReader, decode, encode_text, group_boxes,
                            group_texts, ink_image, place_words, read_tokens, word_crops, word_groups)
 
 HIDDEN = 576
@@ -37,9 +37,9 @@ def decoder(smollm2):
 @pytest.fixture(scope="module")
 def pages(decoder, tmp_path_factory: pytest.TempPathFactory):
     """Text pages of a synthetic PDF at the real page size (1024x768), 256 tokens each."""
-    from fusion.data import read_pdf
-    from fusion.prepare import prepare
-    from fusion.synth import make_pdf
+    from docfuse.fusion.data import read_pdf
+    from docfuse.fusion.prepare import prepare
+    from docfuse.fusion.synth import make_pdf
 
     _, tok = decoder
     made = make_pdf(tmp_path_factory.mktemp("reader") / "doc.pdf", seed=3, pages=3)
@@ -193,7 +193,7 @@ def test_masked_recovery_with_a_reader_reports_its_reads(decoder, pages) -> None
 def test_word_sheets_are_dense_reproducible_and_read_back(tmp_path: Path) -> None:
     import pymupdf
 
-    from fusion.synth_words import fonts, make_sheet
+    from docfuse.fusion.synth_words import fonts, make_sheet
 
     a = make_sheet(tmp_path / "a.pdf", seed=5, pages=1)
     b = make_sheet(tmp_path / "b.pdf", seed=5, pages=1)

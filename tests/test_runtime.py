@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from runtime import loading, metrics
-from runtime.prompt import ChatPrompt, DocumentPrefix, document_text, page_marker, truncate_prefix
-from runtime.session import ContextTooLong, Session, cache_kwarg, crop_cache
+from docfuse.runtime import loading, metrics
+from docfuse.runtime.prompt import ChatPrompt, DocumentPrefix, document_text, page_marker, truncate_prefix
+from docfuse.runtime.session import ContextTooLong, Session, cache_kwarg, crop_cache
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 KEY = "The pass key is 71432. Remember it. 71432 is the pass key. "
@@ -291,8 +291,8 @@ def test_context_overflow_raises_with_numbers_and_truncation_fits(model_and_toke
 
 @pytest.mark.slow
 def test_tiered_session_with_budgets_covering_the_document_answers_like_the_plain_one():
-    from runtime.loading import load_model
-    from runtime.session import Session
+    from docfuse.runtime.loading import load_model
+    from docfuse.runtime.session import Session
 
     model, tokenizer = load_model("default")
     doc = "Notes. " * 40 + "The pass key is 58213. Remember it. " + "More notes. " * 40
@@ -307,8 +307,8 @@ def test_tiered_session_with_budgets_covering_the_document_answers_like_the_plai
 
 @pytest.mark.slow
 def test_tiered_session_re_tiers_during_decode_from_the_answers_queries(model_and_tokenizer, monkeypatch):
-    from runtime.kv import TieredCache
-    from runtime.session import Session
+    from docfuse.runtime.kv import TieredCache
+    from docfuse.runtime.session import Session
 
     model, tokenizer = model_and_tokenizer
     ranked_by: list = []
@@ -330,8 +330,8 @@ def test_tiered_session_re_tiers_during_decode_from_the_answers_queries(model_an
 
 @pytest.mark.slow
 def test_tiered_session_decodes_from_the_codes_as_it_would_from_dequantised_tiers(model_and_tokenizer, monkeypatch):
-    from runtime.kv import code_attention
-    from runtime.session import Session
+    from docfuse.runtime.kv import code_attention
+    from docfuse.runtime.session import Session
 
     model, tokenizer = model_and_tokenizer
     calls = []
@@ -353,7 +353,7 @@ def test_tiered_session_decodes_from_the_codes_as_it_would_from_dequantised_tier
 def test_thread_count_follows_env_and_leaves_busy_cores_alone(monkeypatch):
     import torch
 
-    from runtime import loading
+    from docfuse.runtime import loading
 
     before = torch.get_num_threads()
     try:

@@ -9,11 +9,11 @@ import pyarrow as pa
 import pymupdf
 import pytest
 
-from pipelines.registry import find_stage
-from stages import schemas
-from stages.text import TextPages
-from stages.text_decode import decode_text
-from stages.text_split import paragraph_blocks
+from docfuse.pipelines.registry import find_stage
+from docfuse.stages import schemas
+from docfuse.stages.text import TextPages
+from docfuse.stages.text_decode import decode_text
+from docfuse.stages.text_split import paragraph_blocks
 
 CORPUS = Path(__file__).resolve().parent.parent.parent / "shared" / "corpus"
 

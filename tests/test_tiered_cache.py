@@ -12,13 +12,13 @@ import torch
 from pydantic import ValidationError
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
 
-from runtime.kv import KVConfig, SnapKVCache, TieredCache, make_cache, prepare_question, record_queries
-from runtime.kv.association import AssociationStore
-from runtime.kv.background import ExactArchive, pack_exact, unpack_exact
-from runtime.kv.quant import pack_codes, quantize_keys, quantize_values, unpack_codes
-from runtime.kv.summaries import PageTable, page_minmax, upper_bounds
-from runtime.kv.tiered import RetierOnSchedule
-from runtime.kv.votes import nominate, token_votes
+from docfuse.runtime.kv import KVConfig, SnapKVCache, TieredCache, make_cache, prepare_question, record_queries
+from docfuse.runtime.kv.association import AssociationStore
+from docfuse.runtime.kv.background import ExactArchive, pack_exact, unpack_exact
+from docfuse.runtime.kv.quant import pack_codes, quantize_keys, quantize_values, unpack_codes
+from docfuse.runtime.kv.summaries import PageTable, page_minmax, upper_bounds
+from docfuse.runtime.kv.tiered import RetierOnSchedule
+from docfuse.runtime.kv.votes import nominate, token_votes
 
 IMPLS = ["eager", "sdpa"]
 
@@ -473,7 +473,7 @@ def test_snapkv_baseline_keeps_budget_and_drops_rest() -> None:
 
 @pytest.fixture(scope="module")
 def real_model():
-    loading = pytest.importorskip("runtime.loading")
+    loading = pytest.importorskip("docfuse.runtime.loading")
     try:
         return loading.load_model("default")
     except FileNotFoundError as exc:  # ModelNotFoundError: the embedded model package is not installed

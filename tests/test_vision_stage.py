@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from pipelines.registry import find_stage
-from stages import schemas
-from stages.vision import VisionPatches, init_checkpoint
+from docfuse.pipelines.registry import find_stage
+from docfuse.stages import schemas
+from docfuse.stages.vision import VisionPatches, init_checkpoint
 
 LETTER = (612.0, 792.0)
 A4_LANDSCAPE = (842.0, 595.0)
@@ -91,9 +91,9 @@ SHIPPED = "data/fusion/smollm2-135m-instruct.safetensors"
 
 def test_a_fusion_checkpoint_names_its_vit_and_pdf_qa_names_only_the_checkpoint() -> None:
     """One source of truth: the ViT's shape comes from the checkpoint's metadata, not from the YAML."""
-    from fusion.checkpoint import read_meta, vision_spec
-    from pipelines import Pipeline
-    from stages.vision_model import resolve_checkpoint
+    from docfuse.fusion.checkpoint import read_meta, vision_spec
+    from docfuse.pipelines import Pipeline
+    from docfuse.stages.vision_model import resolve_checkpoint
 
     recorded = vision_spec(read_meta(resolve_checkpoint(SHIPPED)))
     vit = VisionPatches(checkpoint=SHIPPED).vit
@@ -107,7 +107,7 @@ def test_a_fusion_checkpoint_names_its_vit_and_pdf_qa_names_only_the_checkpoint(
 
 
 def test_a_vit_shape_that_disagrees_with_the_checkpoint_is_invalid_naming_both() -> None:
-    from pipelines import Pipeline
+    from docfuse.pipelines import Pipeline
 
     qa = Pipeline.from_yaml("pdf_qa")
     qa.set("patches.model_args", {"depth": 2})
@@ -335,26 +335,27 @@ def test_bfloat16_compute_still_returns_float32_features(stage, checkpoint, page
     assert np.corrcoef(low.ravel(), full.ravel())[0, 1] > 0.99
 
 
-def test_relative_checkpoint_is_found_from_cwd_then_project_root(tmp_path, monkeypatch, checkpoint) -> None:
-    from stages import vision_model
+def test_relative_checkpoint_is_found_from_cwd_then_package_data(tmp_path, monkeypatch, checkpoint) -> None:
+    """``data/...`` in a YAML means the shipped package data (docfuse.data) wherever docfuse runs from."""
+    from docfuse.stages import vision_model
 
-    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
-    (project / "data" / "vision").mkdir(parents=True)
+    packaged, elsewhere = tmp_path / "packaged", tmp_path / "elsewhere"
+    (packaged / "vision").mkdir(parents=True)
     elsewhere.mkdir()
-    target = project / "data" / "vision" / "vit.safetensors"
+    target = packaged / "vision" / "vit.safetensors"
     target.write_bytes(Path(checkpoint).read_bytes())
-    monkeypatch.setattr(vision_model, "PROJECT_ROOT", project)
+    monkeypatch.setattr(vision_model, "shipped", lambda relative="": packaged / relative)
     monkeypatch.chdir(elsewhere)
     assert vision_model.resolve_checkpoint("data/vision/vit.safetensors") == target
     VisionPatches(checkpoint="data/vision/vit.safetensors").setup()
-    monkeypatch.chdir(project / "data")
+    monkeypatch.chdir(packaged)
     assert vision_model.resolve_checkpoint("vision/vit.safetensors") == Path("vision/vit.safetensors")
     with pytest.raises(ValueError, match="'nowhere.safetensors' not found"):
         VisionPatches(checkpoint="nowhere.safetensors").setup()
 
 
 def test_page_preparation_tables_give_the_plain_float32_arithmetic_bit_for_bit() -> None:
-    from fusion.encoder import INK_LEVEL, normalise, patch_ink
+    from docfuse.fusion.encoder import INK_LEVEL, normalise, patch_ink
 
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, size=(96, 64, 3), dtype=np.uint8)

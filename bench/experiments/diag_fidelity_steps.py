@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 import bench.bench_fidelity as bf
-from runtime.kv.queries import read_question
-from runtime.loading import load_model
-from runtime.session import Session
+from docfuse.runtime.kv.queries import read_question
+from docfuse.runtime.loading import load_model
+from docfuse.runtime.session import Session
 
 
 def document_text(pdf: Path) -> str:
@@ -46,7 +46,7 @@ def forced(session: Session, question: str, tokens: list[int]) -> list[torch.Ten
         out.append(session._forward([t]).float())
         if kv is not None:
             session.cache.maybe_retier()
-    from runtime.session import crop_cache
+    from docfuse.runtime.session import crop_cache
     crop_cache(session.cache, session.prefix_length)
     return out
 

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_gpu_128k import GB, build_model  # noqa: E402
 from bench.experiments.diag_layer_prefill import tiered_prefill  # noqa: E402
-from runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
-from runtime.kv.background import ArchiveWriter  # noqa: E402
+from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
+from docfuse.runtime.kv.background import ArchiveWriter  # noqa: E402
 
 
 def one(model, ids: torch.Tensor, chunk: int, writer: ArchiveWriter) -> tuple[KernelTieredCache, dict]:

@@ -14,11 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import save  # noqa: E402
-from fusion import checkpoint  # noqa: E402
-from fusion.evaluate import masked_recovery  # noqa: E402
-from fusion.run import pdf_files, prepared, read_many  # noqa: E402
-from runtime.loading import load_model  # noqa: E402
-from stages.fuse import DEFAULT_CHECKPOINT  # noqa: E402
+from docfuse.fusion import checkpoint  # noqa: E402
+from docfuse.fusion.evaluate import masked_recovery  # noqa: E402
+from docfuse.fusion.run import pdf_files, prepared, read_many  # noqa: E402
+from docfuse.runtime.loading import load_model  # noqa: E402
+from docfuse.stages.fuse import DEFAULT_CHECKPOINT  # noqa: E402
 
 VARIANTS = {"trained": (), "no_mlp": ("mlp",), "no_visual_tokens": ("visual",), "attention_only": ("mlp", "visual"),
             "no_attention": ("attention",)}

@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import save  # noqa: E402
-from fusion import checkpoint  # noqa: E402
-from fusion.objective import choose_mask  # noqa: E402
-from fusion.run import pdf_files, prepared, read_many  # noqa: E402
-from runtime.loading import load_model  # noqa: E402
-from stages.fuse import DEFAULT_CHECKPOINT  # noqa: E402
+from docfuse.fusion import checkpoint  # noqa: E402
+from docfuse.fusion.objective import choose_mask  # noqa: E402
+from docfuse.fusion.run import pdf_files, prepared, read_many  # noqa: E402
+from docfuse.runtime.loading import load_model  # noqa: E402
+from docfuse.stages.fuse import DEFAULT_CHECKPOINT  # noqa: E402
 
 SCALES = (0.5, 1.0, 2.0, 4.0)
 

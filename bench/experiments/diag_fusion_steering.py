@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import save  # noqa: E402
-from fusion import checkpoint  # noqa: E402
-from fusion.objective import choose_mask  # noqa: E402
-from stages.fuse import DEFAULT_CHECKPOINT  # noqa: E402
+from docfuse.fusion import checkpoint  # noqa: E402
+from docfuse.fusion.objective import choose_mask  # noqa: E402
+from docfuse.stages.fuse import DEFAULT_CHECKPOINT  # noqa: E402
 
 
 def steered(decoder, mask_vector, steer: torch.nn.Linear | None, ids: torch.Tensor, hidden: torch.Tensor):
@@ -50,7 +50,7 @@ def load_pages(args, tok, vision) -> tuple[list, list]:
     if args.pages_file:
         saved = torch.load(args.pages_file, weights_only=False)
         return saved["train"], saved["eval"]
-    from fusion.run import pdf_files, prepared, read_many  # PyMuPDF: not needed with --pages-file
+    from docfuse.fusion.run import pdf_files, prepared, read_many  # PyMuPDF: not needed with --pages-file
 
     text = lambda paths: [p.tokens for p in prepared(read_many(pdf_files(paths), vision), tok) if not p.tokens.caption]
     return text(args.train), text(args.eval)[:args.eval_pages]
@@ -89,11 +89,11 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model == "default":
-        from runtime.loading import load_model
+        from docfuse.runtime.loading import load_model
 
         decoder, tok = load_model("default", dtype="float32", device="cpu")
     else:
-        from fusion.run import load_decoder
+        from docfuse.fusion.run import load_decoder
         decoder, tok = load_decoder(args.model, device)
         decoder = decoder.float()
     for p in decoder.parameters():

@@ -8,9 +8,9 @@ everything to the core, or widen the association tier.
 import sys, time; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from bench import bench_kv as B, kv_cases as K
-from runtime.loading import load_model
-from runtime.prompt import ChatPrompt, DEFAULT_SYSTEM
-from runtime import session as S
+from docfuse.runtime.loading import load_model
+from docfuse.runtime.prompt import ChatPrompt, DEFAULT_SYSTEM
+from docfuse.runtime import session as S
 torch.set_num_threads(1)
 model, tok = load_model("default")
 prompt = ChatPrompt(tok, DEFAULT_SYSTEM)

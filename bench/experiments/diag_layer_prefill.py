@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_gpu_128k import KV, GB, build_model, fresh, prefill, sync_time, timeline_summary  # noqa: E402
-from runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
-from runtime.kv import layer as layer_module  # noqa: E402
-from runtime.kv import tiered as tiered_module  # noqa: E402
-from runtime.kv.association import AssociationStore  # noqa: E402
-from runtime.kv.background import ArchiveWriter  # noqa: E402
-from runtime import layer_prefill  # noqa: E402
+from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention  # noqa: E402
+from docfuse.runtime.kv import layer as layer_module  # noqa: E402
+from docfuse.runtime.kv import tiered as tiered_module  # noqa: E402
+from docfuse.runtime.kv.association import AssociationStore  # noqa: E402
+from docfuse.runtime.kv.background import ArchiveWriter  # noqa: E402
+from docfuse.runtime import layer_prefill  # noqa: E402
 
 
 def timed(table: dict, name: str, fn):

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench import kv_cases  # noqa: E402
 from bench.common import machine, save  # noqa: E402
-from runtime.loading import load_model  # noqa: E402
-from runtime.pruning.ablation import blocks_of as ablation_blocks  # noqa: E402
+from docfuse.runtime.loading import load_model  # noqa: E402
+from docfuse.runtime.pruning.ablation import blocks_of as ablation_blocks  # noqa: E402
 
 SAMPLE_PDF = Path(__file__).resolve().parents[2] / "data" / "sample.pdf"
 

@@ -4,6 +4,6 @@ Nothing here imports Triton or needs CUDA at import time: ``attention_kernel.HAS
 run, and the fp32 torch reference (``reference.py``) computes the same function anywhere.
 """
 
-from runtime.gpu.reference import tiered_decode_reference
+from docfuse.runtime.gpu.reference import tiered_decode_reference
 
 __all__ = ["tiered_decode_reference"]

@@ -17,10 +17,10 @@ import os
 
 import torch
 
-from runtime.kv.association import AssociationStore
+from docfuse.runtime.kv.association import AssociationStore
 
-from runtime.gpu.fused_ops import combine_splits
-from runtime.gpu.triton_support import HAS_TRITON, tl, triton
+from docfuse.runtime.gpu.fused_ops import combine_splits
+from docfuse.runtime.gpu.triton_support import HAS_TRITON, tl, triton
 
 LOG2E = 1.4426950408889634
 

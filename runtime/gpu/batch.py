@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import torch
 
-from runtime.gpu.kernel_cache import KernelTieredCache
-from runtime.kv.association import AssociationStore
-from runtime.kv.background import ExactArchive
-from runtime.kv.layer import TieredLayer
+from docfuse.runtime.gpu.kernel_cache import KernelTieredCache
+from docfuse.runtime.kv.association import AssociationStore
+from docfuse.runtime.kv.background import ExactArchive
+from docfuse.runtime.kv.layer import TieredLayer
 
 
 class StackedArchive:

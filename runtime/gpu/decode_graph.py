@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from runtime.gpu.decode_step import StaticDecode
-from runtime.gpu.kernel_cache import KernelTieredCache
+from docfuse.runtime.gpu.decode_step import StaticDecode
+from docfuse.runtime.gpu.kernel_cache import KernelTieredCache
 
 
 class GraphDecoder(StaticDecode):

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from runtime.gpu import fused_ops
-from runtime.gpu.attention_kernel import HAS_TRITON, tiered_decode_attention
-from runtime.gpu.kernel_cache import GRAPH_ATTN_NAME, KernelTieredCache, KernelTieredLayer, register_attention
-from runtime.gpu.reference import tiered_decode_reference
-from runtime.llama_block import Kernels, LlamaBlock, norm_eps, unwrap
+from docfuse.runtime.gpu import fused_ops
+from docfuse.runtime.gpu.attention_kernel import HAS_TRITON, tiered_decode_attention
+from docfuse.runtime.gpu.kernel_cache import GRAPH_ATTN_NAME, KernelTieredCache, KernelTieredLayer, register_attention
+from docfuse.runtime.gpu.reference import tiered_decode_reference
+from docfuse.runtime.llama_block import Kernels, LlamaBlock, norm_eps, unwrap
 
 
 #: The decode step's elementwise kernels: one Triton kernel each on CUDA, the block's torch math elsewhere.
@@ -105,7 +105,7 @@ class StaticDecode:
 
     def __init__(self, model: Any, cache: KernelTieredCache, max_new: int, first_token: torch.Tensor,
                  skip_mlp: Sequence[int] = (), explicit: bool | None = None) -> None:
-        from runtime.session import cache_kwarg
+        from docfuse.runtime.session import cache_kwarg
 
         self.model, self.cache = model, cache
         n_layers = len(model.model.layers)

@@ -20,8 +20,8 @@ import os
 
 import torch
 
-from runtime import llama_block
-from runtime.gpu.triton_support import HAS_TRITON, tl, triton
+from docfuse.runtime import llama_block
+from docfuse.runtime.gpu.triton_support import HAS_TRITON, tl, triton
 
 
 def _use_triton(x: torch.Tensor) -> bool:

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from runtime.gpu.attention_kernel import HAS_TRITON, kernel_supports, tiered_decode_attention
-from runtime.gpu.reference import tiered_decode_reference
-from runtime.kv import code_attention
-from runtime.kv.layer import TieredLayer
-from runtime.kv.tiered import TieredCache
+from docfuse.runtime.gpu.attention_kernel import HAS_TRITON, kernel_supports, tiered_decode_attention
+from docfuse.runtime.gpu.reference import tiered_decode_reference
+from docfuse.runtime.kv import code_attention
+from docfuse.runtime.kv.layer import TieredLayer
+from docfuse.runtime.kv.tiered import TieredCache
 
 ATTN_NAME = "docfuse_tiered"
 GRAPH_ATTN_NAME = "docfuse_tiered_graph"

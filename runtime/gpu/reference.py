@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kv.association import AssociationStore
+from docfuse.runtime.kv.association import AssociationStore
 
 
 def tiered_decode_reference(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, n_core: int,

@@ -16,10 +16,10 @@ Typical use (one prefill, many questions)::
 ``make_cache(config, None)`` gives a plain DynamicCache (``kv: null``).
 """
 
-from runtime.kv.config import KVConfig
-from runtime.kv.eviction import SnapKVCache
-from runtime.kv.queries import prepare_question, read_question, record_queries
-from runtime.kv.tiered import RetierOnSchedule, TieredCache, as_kv_config, make_cache
+from docfuse.runtime.kv.config import KVConfig
+from docfuse.runtime.kv.eviction import SnapKVCache
+from docfuse.runtime.kv.queries import prepare_question, read_question, record_queries
+from docfuse.runtime.kv.tiered import RetierOnSchedule, TieredCache, as_kv_config, make_cache
 
 __all__ = ["KVConfig", "RetierOnSchedule", "SnapKVCache", "TieredCache", "as_kv_config", "make_cache",
            "prepare_question", "read_question", "record_queries"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.kv.quant import Quantized, quantize_keys, quantize_values
+from docfuse.runtime.kv.quant import Quantized, quantize_keys, quantize_values
 
 
 def _gather_anchor(anchor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import lz4.block
 import numpy as np
 import torch
 
-from runtime.kv.host_arena import HostArena
+from docfuse.runtime.kv.host_arena import HostArena
 
 
 _RAW, _LZ4 = b"\x00", b"\x01"

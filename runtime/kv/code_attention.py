@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from runtime.kv.association import AssociationStore
+from docfuse.runtime.kv.association import AssociationStore
 
 
 def supports(assoc: AssociationStore | None) -> bool:

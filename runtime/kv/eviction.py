@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from runtime.kv.config import resolve_budget
-from runtime.kv.summaries import group_queries
-from runtime.kv.votes import token_votes
+from docfuse.runtime.kv.config import resolve_budget
+from docfuse.runtime.kv.summaries import group_queries
+from docfuse.runtime.kv.votes import token_votes
 
 
 class SnapKVLayer(CacheLayerMixin):

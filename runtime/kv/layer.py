@@ -19,12 +19,12 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from runtime.kv import code_attention
-from runtime.kv.association import AssociationStore
-from runtime.kv.background import ExactArchive
-from runtime.kv.config import KVConfig
-from runtime.kv.summaries import group_queries, page_minmax, page_scores
-from runtime.kv.votes import nominate, token_votes
+from docfuse.runtime.kv import code_attention
+from docfuse.runtime.kv.association import AssociationStore
+from docfuse.runtime.kv.background import ExactArchive
+from docfuse.runtime.kv.config import KVConfig
+from docfuse.runtime.kv.summaries import group_queries, page_minmax, page_scores
+from docfuse.runtime.kv.votes import nominate, token_votes
 
 ARCHIVE_BLOCK = 256
 

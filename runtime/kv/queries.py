@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from runtime.llama_block import rope
+from docfuse.runtime.llama_block import rope
 
 
 class QuerySink(Protocol):

@@ -16,9 +16,9 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.generation import StoppingCriteria
 
-from runtime.kv.config import KVConfig, auto_core_tokens, resolve_budget
-from runtime.kv.layer import TieredLayer
-from runtime.kv.summaries import PageTable
+from docfuse.runtime.kv.config import KVConfig, auto_core_tokens, resolve_budget
+from docfuse.runtime.kv.layer import TieredLayer
+from docfuse.runtime.kv.summaries import PageTable
 
 #: Page-score reduction over a question's queries (see summaries.page_scores); chosen by measurement.
 SCORE_REDUCE = "softmax"
@@ -264,7 +264,7 @@ def make_cache(config: Any, kv: KVConfig | dict[str, Any] | None) -> Cache:
         return DynamicCache(config=config)
     kv = as_kv_config(kv)
     if kv.method == "evict":
-        from runtime.kv.eviction import SnapKVCache
+        from docfuse.runtime.kv.eviction import SnapKVCache
 
         return SnapKVCache(config, kv.core_tokens, window_tokens=kv.query_tokens, kernel=kv.vote_pool)
     return TieredCache(config, kv)

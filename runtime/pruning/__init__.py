@@ -14,9 +14,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.pruning.config import PruningConfig, find_head
-    from runtime.pruning.gates import Pruner
-    from runtime.pruning.head import DecisionHead
+    from docfuse.runtime.pruning.config import PruningConfig, find_head
+    from docfuse.runtime.pruning.gates import Pruner
+    from docfuse.runtime.pruning.head import DecisionHead
 
 _WHERE = {"PruningConfig": "config", "find_head": "config", "Pruner": "gates", "DecisionHead": "head"}
 __all__ = ["DecisionHead", "Pruner", "PruningConfig", "find_head"]
@@ -24,5 +24,5 @@ __all__ = ["DecisionHead", "Pruner", "PruningConfig", "find_head"]
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
-        raise AttributeError(f"module 'runtime.pruning' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"runtime.pruning.{_WHERE[name]}"), name)
+        raise AttributeError(f"module 'docfuse.runtime.pruning' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"docfuse.runtime.pruning.{_WHERE[name]}"), name)

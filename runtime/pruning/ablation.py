@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.llama_block import LlamaBlock, rope, unwrap
+from docfuse.runtime.llama_block import LlamaBlock, rope, unwrap
 
 
 def blocks_of(num_layers: int) -> list[tuple[str, int]]:

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from runtime.pruning.ablation import kl_and_flip, window_labels
-from runtime.pruning.gates import Pruner
-from runtime.pruning.head import DecisionHead, model_fingerprint
+from docfuse.runtime.pruning.ablation import kl_and_flip, window_labels
+from docfuse.runtime.pruning.gates import Pruner
+from docfuse.runtime.pruning.head import DecisionHead, model_fingerprint
 
 #: Tokens per calibration window, and the first positions of each window left out of the labels (too little history
 #: to stand for a decode step).
@@ -41,7 +41,7 @@ def text_windows(tokenizer: Any, text: str, windows: int, tokens: int = WINDOW_T
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     if len(ids) < tokens:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than one {tokens}-token window; "
-                         "give a longer --corpus (e.g. python -m runtime.pruning.calibration_text > calib.txt)")
+                         "give a longer --corpus (e.g. python -m docfuse.runtime.pruning.calibration_text > calib.txt)")
     count = min(windows, len(ids) // tokens)
     stride = (len(ids) - tokens) // max(count - 1, 1)
     return [ids[i * stride: i * stride + tokens] for i in range(count)]
@@ -198,7 +198,7 @@ def calibrate(model: Any, tokenizer: Any, text: str, work_dir: Path, *, windows:
     if tune_steps > 0:
         import copy
 
-        from runtime.pruning.tune import tune_head
+        from docfuse.runtime.pruning.tune import tune_head
 
         base, base_row = best
         for target in skip_targets:
@@ -249,10 +249,10 @@ def _better(row: dict[str, Any], best: dict[str, Any], target: float) -> bool:
     return row["top1_agreement"] > best["top1_agreement"]
 
 
-if __name__ == "__main__":  # label collection alone: python -m runtime.pruning.calibrate TEXT WORK_DIR WINDOWS
+if __name__ == "__main__":  # label collection alone: python -m docfuse.runtime.pruning.calibrate TEXT WORK_DIR WINDOWS
     import sys
 
-    from runtime.loading import load_model
+    from docfuse.runtime.loading import load_model
 
     model, tokenizer = load_model("default")
     text = Path(sys.argv[1]).read_text()

@@ -3,7 +3,7 @@
 The shipped head is calibrated on this (PSF-licensed, on every machine with Python 3.11), never on the workspace
 corpus, whose licences forbid shipping anything derived from it. Held-out fidelity is measured on other text.
 
-    python -m runtime.pruning.calibration_text > calibration.txt
+    python -m docfuse.runtime.pruning.calibration_text > calibration.txt
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipelines.console import err, fail
+from docfuse.pipelines.console import err, fail
 
 app = typer.Typer(add_completion=False)
 
@@ -31,7 +31,7 @@ def _numbers(text: str, kind: type) -> list:
 @app.command("calibrate-pruning")
 def calibrate_pruning(
     corpus: Annotated[list[Path], typer.Option("--corpus", help="Calibration text: .txt/.md files or folders "
-                                               "(e.g. python -m runtime.pruning.calibration_text > calib.txt).")],
+                                               "(e.g. python -m docfuse.runtime.pruning.calibration_text > calib.txt).")],
     out: Annotated[Path, typer.Option("--out", help="Head file to write (.safetensors) plus a .json report.")],
     model: Annotated[str, typer.Option(help="'default' or a local Hugging Face model folder.")] = "default",
     windows: Annotated[int, typer.Option(help="512-token windows to label (a quarter validate).")] = 32,
@@ -65,19 +65,19 @@ def calibrate_pruning(
     missing = [str(p) for p in corpus if not p.exists()]
     if missing or not files:
         fail(f"--corpus {', '.join(missing) or ' '.join(map(str, corpus))}: no .txt/.md text found; give text "
-             "files or folders (python -m runtime.pruning.calibration_text > calib.txt makes one)")
+             "files or folders (python -m docfuse.runtime.pruning.calibration_text > calib.txt makes one)")
     if out.suffix != ".safetensors":
         fail(f"--out {out}: the head is written as safetensors; name it e.g. {out.with_suffix('.safetensors')}")
     if init_head is not None and (not init_head.is_file() or tune_steps == 0):
         fail(f"--init-head {init_head}: give an existing head file, together with --tune-steps > 0 "
              "(an initial head is only tuned, never relabelled)")
-    from runtime.loading import load_model
-    from runtime.pruning.calibrate import calibrate
+    from docfuse.runtime.loading import load_model
+    from docfuse.runtime.pruning.calibrate import calibrate
 
     lm, tokenizer = load_model(model)
     start = None
     if init_head is not None:
-        from runtime.pruning import find_head
+        from docfuse.runtime.pruning import find_head
 
         try:
             start = find_head(lm, str(init_head))

@@ -8,11 +8,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.pruning.head import DecisionHead, model_fingerprint
+from docfuse.data import shipped
+from docfuse.runtime.pruning.head import DecisionHead, model_fingerprint
 
 log = logging.getLogger("docfuse.pruning")
 #: Heads the project ships, one safetensors file per model (see data/pruning/README.md for the commands).
-SHIPPED_HEADS = Path(__file__).resolve().parents[2] / "data" / "pruning"
+SHIPPED_HEADS = shipped("pruning")
 _warned: set[str] = set()
 
 

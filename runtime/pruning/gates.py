@@ -26,8 +26,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from runtime.llama_block import rope
-from runtime.pruning.head import DecisionHead
+from docfuse.runtime.llama_block import rope
+from docfuse.runtime.pruning.head import DecisionHead
 
 Mode = Literal["off", "decode", "mask", "tune"]
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.pruning.gates import AttentionGate, MLPGate, Pruner, decoder_layers
-from runtime.pruning.head import DecisionHead
+from docfuse.runtime.pruning.gates import AttentionGate, MLPGate, Pruner, decoder_layers
+from docfuse.runtime.pruning.head import DecisionHead
 
 
 @torch.no_grad()
