@@ -23,7 +23,7 @@ import torch
 from docfuse.fusion import checkpoint
 from docfuse.fusion.checkpoint import VisionSpec
 from docfuse.fusion.config import CORPUS, READER, STEER, TRAIN, ReaderTrainConfig, SteerTrainConfig, TrainConfig
-from docfuse.fusion.data import PageSample, read_pdf
+from docfuse.fusion.data import PageSample
 from docfuse.fusion.evaluate import masked_recovery
 from docfuse.fusion.prepare import Prepared, prepare
 from docfuse.fusion.read_train import page_words, train_reader, train_steer, with_read_path
@@ -42,11 +42,12 @@ def pdf_files(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def _read(args: tuple) -> list[PageSample]:
+    """One PDF's pages as the pipeline reads them (pdf_qa's pdf.open, pdf.text and pdf.render): one reading of a
+    PDF for training and serving. A corrupt or locked PDF is an error row there and no page here."""
+    from docfuse.stages.training_pages import read_pages  # the stages and the engine: only when reading PDFs
+
     path, vision, truths = args
-    try:
-        return read_pdf(path, vision.image_size, vision.grid, vision.dpi, truths=truths)
-    except Exception:  # noqa: BLE001 - an unreadable PDF (corrupt, encrypted) is left out of the data
-        return []
+    return read_pages([path], vision.image_size, vision.grid, vision.dpi, truths={path: truths} if truths else None)
 
 
 def read_many(paths: Sequence[Path], vision: VisionSpec, truths: dict[str, list] | None = None,

@@ -478,13 +478,13 @@ def test_batch_streams_pages_do_not_leak_into_each_other(decoder) -> None:
 
 @pytest.fixture(scope="module")
 def synthetic_pages(decoder, tmp_path_factory: pytest.TempPathFactory):
-    from docfuse.fusion.data import read_pdf
+    from docfuse.stages.training_pages import read_pages
     from docfuse.fusion.prepare import prepare
     from docfuse.fusion.synth import make_pdf
 
     _, tok = decoder
     made = make_pdf(tmp_path_factory.mktemp("fusion") / "a.pdf", seed=1, pages=2)
-    samples = read_pdf(made["path"], SPEC.image_size, (ROWS, COLS))
+    samples = read_pages([made["path"]], SPEC.image_size, (ROWS, COLS))
     assert len(samples) == 2
     return [p for s in samples if (p := prepare(s, tok, 64)) is not None]
 
