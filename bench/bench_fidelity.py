@@ -69,6 +69,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 #: Other decode.generate settings per config. ``full-chunk256`` is the full cache prefilled in chunks of 256 instead
 #: of 512: the same attention in another order of float sums, so its disagreement with ``full`` is the noise floor
 #: of the dtype, below which no cache can be asked to agree.
+# Configs written before association_key_bits (issue 29) meant keys at the values' bits: keep that meaning.
+for _name, _kv in CONFIGS.items():
+    if _kv and _kv.get("method") != "evict" and _name not in ("default", "layers"):
+        _kv.setdefault("association_key_bits", _kv.get("association_bits", 4))
 CONFIGS["full-chunk256"] = None
 #: The same pair in float32: how much of the disagreement is the dtype's, not the cache's.
 CONFIGS["full-fp32"] = None
