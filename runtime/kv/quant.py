@@ -20,8 +20,10 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.to(torch.uint8)
     per = 8 // bits
     grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+    packed = grouped[..., 0].clone()  # OR of shifted planes: the codes' bits do not overlap (faster than a sum)
+    for k in range(1, per):
+        packed |= grouped[..., k] << (k * bits)
+    return packed
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -62,7 +64,7 @@ def _affine(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> t
     span = hi.float() - zero.float()
     scale = torch.where(span > 0, span / levels, torch.ones_like(span)).to(torch.float16)
     scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0 ** -24))  # fp16 underflow guard
-    codes = torch.round((x.float() - zero.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
+    codes = (x.float() - zero.float()).div_(scale.float()).round_().clamp_(0, levels).to(torch.uint8)
     return codes, scale, zero
 
 
@@ -129,7 +131,7 @@ def quantize_keys(x: torch.Tensor, bits: int, group: int = 32) -> Quantized:
     if pad:
         filler = x[:, :, -1:].expand(b, h, pad, d) if t else x.new_zeros(b, h, pad, d)
         x = torch.cat([x, filler], dim=2)
-    grouped = x.reshape(b, h, (t + pad) // group, group, d)
+    grouped = x.float().reshape(b, h, (t + pad) // group, group, d)  # float32 reductions: several times bf16's speed
     lo, hi = grouped.amin(dim=3, keepdim=True), grouped.amax(dim=3, keepdim=True)
     codes, scale, zero = _affine(grouped, lo, hi, bits)
     packed = pack_codes(codes.reshape(b, h, t + pad, d), bits)
@@ -140,7 +142,7 @@ def quantize_values(x: torch.Tensor, bits: int) -> Quantized:
     """Per-token quantisation over groups of ``VALUE_GROUP`` channels."""
     b, h, t, d = x.shape
     group = VALUE_GROUP if d % VALUE_GROUP == 0 else d  # small heads: one group per token
-    grouped = x.reshape(b, h, t, d // group, group)
+    grouped = x.float().reshape(b, h, t, d // group, group)  # float32 reductions: several times bf16's speed
     lo, hi = grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
     codes, scale, zero = _affine(grouped, lo, hi, bits)
     packed = pack_codes(codes.reshape(b, h, t, d), bits)
