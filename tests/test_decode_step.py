@@ -27,7 +27,7 @@ from docfuse.runtime.session import cache_kwarg
 
 GPU = pytest.mark.skipif(not (ak.HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and a CUDA GPU")
 KV = {"core_tokens": 0.1, "association_tokens": 0.25, "recent_tokens": 16, "query_tokens": 24,
-      "association_key_bits": 4}  # the fused kernel reads 4-bit keys only
+      "association_bits": 4}  # the fused kernel reads 4-bit codes only
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -151,14 +151,15 @@ def test_pdf_qa_with_tiered_kv_cache_answers_and_reports_tier_bytes(tmp_path):
     res = docfuse("run", "pdf_qa", "-i", "data/sample.pdf", "-o", str(out), "--no-cache",
                   "--set", 'params.questions=["What is the monthly fee?", "Which law governs the agreement?"]',
                   "--set", "answer.max_new_tokens=24",
-                  # the defaults (issue 29): every non-core token stays on the device as codes (8-bit keys, 4-bit
-                  # values); with a quarter of them (association_tokens: 0.25) the law answer lost "Ireland"
+                  # the defaults (issue 29): every non-core token stays on the device as 8-bit codes; with a quarter
+                  # of them (association_tokens: 0.25) the law answer lost "Ireland", and with 4-bit values (8-bit
+                  # keys) the fee read "42,500"
                   "--set", "answer.kv={}")
     assert res.returncode == 0, res.stderr
     fee, law = pq.read_table(out).to_pylist()
     assert "4,250" in fee["answer"] and "Ireland" in law["answer"]
     for row in (fee, law):
         assert row["kv_host_bytes"] > 0, "the background tier holds the exact copy in host memory"
-        assert row["kv_device_bytes"] < 0.6 * row["kv_full_bytes"]  # ~0.51 at 8-bit keys, 4-bit values
+        assert row["kv_device_bytes"] < 0.7 * row["kv_full_bytes"]  # ~0.63 at 8-bit codes
     bad = docfuse("validate", "pdf_qa", "--set", "answer.kv.association_bits=3")
     assert bad.returncode == 2 and "association_bits" in bad.stderr

@@ -88,7 +88,7 @@ def fused_vs_plain(device: str, dtype: torch.dtype, monkeypatch) -> tuple[torch.
     model = tiny().to(device, dtype)
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3)).to(device)
     kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16,
-          "association_key_bits": 4}  # the kernel reads 4-bit keys only
+          "association_bits": 4}  # the kernel reads 4-bit codes only
     plain = greedy_logits(model, TieredCache(model.config, kv), ids, 3)
     calls = []
     from docfuse.runtime.gpu import kernel_cache
@@ -156,7 +156,7 @@ def test_cuda_graph_decode_matches_eager_fused_decode() -> None:
     model.config._attn_implementation = register_attention()
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5)).to("cuda")
     kv = {"core_tokens": 40, "association_tokens": 100, "recent_tokens": 8, "page_tokens": 16,
-          "association_key_bits": 4}  # the kernel reads 4-bit keys only
+          "association_bits": 4}  # the kernel reads 4-bit codes only
     eager = greedy_logits(model, KernelTieredCache(model.config, kv), ids, 6)
     cache = KernelTieredCache(model.config, kv)
     with torch.no_grad():

@@ -386,7 +386,7 @@ def test_decode_retier_counts_decode_steps_and_ranks_by_the_answers_own_queries(
 
 def test_accounting_and_auto_budget() -> None:
     model = tiny_model()
-    cache = TieredCache(model.config, small(core_tokens=0.1, association_tokens=0.25))
+    cache = TieredCache(model.config, small(core_tokens=0.1, association_tokens=0.25, association_bits=4))
     run(model, cache, ids(400))
     per_token = 2 * 2 * 2 * 16 * 4  # layers * (K,V) * kv heads * head_dim * fp32
     assert cache.full_bytes() == 400 * per_token == cache.device_bytes()  # before re-tiering: all core

@@ -23,18 +23,22 @@ class KVConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     core_tokens: Budget = 0.10
-    #: 1.0 (the default): every token outside the core stays on the device as 4-bit codes, and the background tier
+    #: 1.0 (the default): every token outside the core stays on the device as codes, and the background tier
     #: holds only the exact archive. Chosen by fidelity through the pipeline (bench/RESULTS.md, issue 29): at 0.25 the
     #: answer's later tokens could not see 65% of the document and lost 2 of 22 planted facts on the tuning half that
     #: the full cache answered; at 1.0 none. Device share ~0.40 of a full cache instead of ~0.20.
     association_tokens: int | float = 1.0
-    association_bits: Literal[2, 4, 8] = 4
-    #: Bits of the association *keys* (``None``: ``association_bits``). Keys set the softmax weight of every token
-    #: outside the core, so their error counts most. Default 8, chosen on issue 29's tuning half (165 questions,
-    #: H100): 4-bit keys lost 5 of 68 planted facts the full cache answered, 8-bit keys with 4-bit values none, and
-    #: their teacher-forced logit error sits at bf16's own noise (bench/RESULTS.md). Device share ~0.51 instead of
-    #: ~0.40; the fused GPU kernel reads 4-bit keys only, so set 4 there for speed over fidelity.
-    association_key_bits: Literal[2, 4, 8] | None = 8
+    #: Bits of the association codes. Default 8, set by fidelity (issue 29, bench/RESULTS.md): with 4-bit keys the
+    #: tuning half (165 questions, H100) lost 5 of 68 planted facts the full cache answered; 8-bit keys with 4-bit
+    #: values lost none there but changed the demo's fee (data/sample.pdf: "42,500" for "4,250"); 8-bit keys and
+    #: values lost 2 of 68 there, answered the demo as the full cache does, and have the smallest teacher-forced logit
+    #: error. 8/4 and 8/8 are tied within the noise of these cases; fidelity comes first, so 8/8. Device share ~0.63
+    #: of a full bf16 cache (8/4: ~0.51, 4/4: ~0.40). The fused GPU kernel reads 4-bit codes only.
+    association_bits: Literal[2, 4, 8] = 8
+    #: Bits of the association *keys* when they differ from the values' (``None``: ``association_bits``). Keys set
+    #: the softmax weight of every token outside the core, so their error counts most: ``association_bits: 4`` with
+    #: ``association_key_bits: 8`` (share ~0.51) kept every planted fact of the tuning half; 4/8 lost 4 of 68.
+    association_key_bits: Literal[2, 4, 8] | None = None
     sink_tokens: int = 4
     recent_tokens: int = 64
     page_tokens: int = 64
