@@ -128,26 +128,39 @@ def make(out: Path, planted: int, real: int) -> None:
 
 # ---- run ---------------------------------------------------------------------------------------------------------
 def _timed_retiers() -> list[float]:
-    """Wrap the caches' ``retier`` so each question's re-tier time is recorded (behaviour unchanged). The question's
-    own forward pass is not counted: a full cache runs it too."""
+    """Record each question's re-tier time (behaviour unchanged): SnapKV's one ``retier`` call per question, and for
+    the tiered cache the sum of its per-layer re-tiers during a question's ``read_question`` / ``prepare_question``
+    (with ``question: exact`` they run inside the question's own pass, one layer at a time). The question's forward
+    pass itself is not counted: a full cache runs it too."""
+    import docfuse.runtime.session as session
     from docfuse.runtime.kv.eviction import SnapKVCache
     from docfuse.runtime.kv.tiered import TieredCache
 
     times: list[float] = []
-    for cls in (TieredCache, SnapKVCache):
-        original = cls.retier
 
-        def timed(self, *args, _original=original, **kwargs):
+    def clocked(fn, sink):
+        def timed(*args, **kwargs):
             started = time.perf_counter()
-            result = _original(self, *args, **kwargs)
+            result = fn(*args, **kwargs)
             if torch_cuda_ready():
                 import torch
 
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
+            sink(time.perf_counter() - started)
             return result
+        return timed
 
-        cls.retier = timed
+    SnapKVCache.retier = clocked(SnapKVCache.retier, times.append)
+    layer_total = [0.0]
+    TieredCache.retier_layer = clocked(TieredCache.retier_layer,
+                                       lambda s: layer_total.__setitem__(0, layer_total[0] + s))
+    for name in ("read_question", "prepare_question"):
+        def per_question(*args, _fn=getattr(session, name), **kwargs):
+            before = layer_total[0]
+            result = _fn(*args, **kwargs)
+            times.append(layer_total[0] - before)
+            return result
+        setattr(session, name, per_question)
     return times
 
 

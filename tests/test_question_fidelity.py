@@ -123,3 +123,43 @@ def test_method_evict_gives_the_snapkv_baseline_through_the_kv_block() -> None:
     assert cache.layers[0].kept == 100 and cache.get_seq_length() == 500
     with pytest.raises(ValueError, match="not auto"):
         make_cache(model.config, {"method": "evict", "core_tokens": "auto"})
+
+
+def test_the_question_pass_re_tiers_each_layer_from_its_own_read() -> None:
+    """read_question re-tiers every layer inside the question's pass, from the exact read its attention made: the
+    same tiers and logits as a re-tier after the pass (which reads the archive a second time), for two questions."""
+    from docfuse.runtime.kv.queries import record_queries
+
+    model = tiny()
+    document = ids(700, 4)
+    inside, after = token_major(model, document, KV), token_major(model, document, KV)
+    for seed in (5, 6):
+        question = ids(12, seed)
+        prefix = inside.get_seq_length()
+        reads = {"n": 0}
+        original = type(inside.layers[0])._materialize
+
+        def counting(self, *args, **kwargs):
+            reads["n"] += self._all is None
+            return original(self, *args, **kwargs)
+
+        type(inside.layers[0])._materialize = counting
+        try:
+            got = read_question(model, inside, question)
+        finally:
+            type(inside.layers[0])._materialize = original
+        assert reads["n"] == len(inside.layers), "one read of the document per layer: the question's own"
+        positions = torch.arange(prefix, prefix + question.shape[1]).unsqueeze(0)
+        with torch.no_grad(), after.exact_view(), record_queries(model, after, tokens=after.kv.query_tokens):
+            want = model(input_ids=question, position_ids=positions, use_cache=True,
+                         **{cache_kwarg(model): after}).logits[0, -1]
+        after.retier(queries=after.take_queries(), keep_from=prefix)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float noise of another memory layout
+        assert inside.retiers == after.retiers and inside.retiered_at == after.retiered_at
+        for a, b in zip(inside.layers, after.layers):
+            assert torch.equal(a.membership(), b.membership())
+        for tokens in ([[7]], [[9]]):
+            torch.testing.assert_close(forward(model, inside, torch.tensor(tokens)),
+                                       forward(model, after, torch.tensor(tokens)), rtol=1e-5, atol=1e-5)
+        inside.rollback(prefix)
+        after.rollback(prefix)

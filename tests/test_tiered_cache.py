@@ -496,7 +496,8 @@ def test_real_model_full_budget_identical(impl: str, real_model) -> None:
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     # and a tight budget still runs on the real model with re-tiering
-    tight = TieredCache(model.config, {"core_tokens": 0.3, "association_tokens": 0.3, "recent_tokens": 16})
+    tight = TieredCache(model.config, {"core_tokens": 0.3, "association_tokens": 0.3, "recent_tokens": 16,
+                                       "association_bits": 4})
     run(model, tight, tokens[:, : n - 3])
     tight.retier()
     assert tight.device_bytes() < 0.5 * tight.full_bytes()

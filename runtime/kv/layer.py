@@ -241,8 +241,20 @@ class TieredLayer(CacheLayerMixin):
     def reading_all(self) -> Iterator[None]:
         """Within, every ``_materialize`` is served from one exact read of all positions: a re-tier that scores
         every token exactly then reads the archive once instead of once per step (summaries, votes, rebuild)."""
+        if self._all is not None:  # inside ``serving``: the read is already here
+            yield
+            return
         b, h = self.core_pos.shape[:2]
-        self._all = self._materialize(torch.ones(b, h, self.length, dtype=torch.bool))
+        with self.serving(*self._materialize(torch.ones(b, h, self.length, dtype=torch.bool))):
+            yield
+
+    @contextmanager
+    def serving(self, keys: torch.Tensor, values: torch.Tensor) -> Iterator[None]:
+        """Within, every ``_materialize`` is served from ``keys``/``values`` [B, H, length, D]: the exact K/V of
+        every position, in position order, read by the caller (a question's exact pass)."""
+        if keys.shape[2] != self.length:
+            raise ValueError(f"serving {keys.shape[2]} positions to a layer of {self.length}")
+        self._all = (keys, values)
         try:
             yield
         finally:

@@ -98,13 +98,15 @@ def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor
     for it; returns the logits of its last position (the first answer token's).
 
     One pass over the question: under ``cache.exact_view()`` it attends to every document token exactly while its
-    queries are recorded, so its hidden states, queries and first token are those of a full cache. The re-tier then
-    keeps the question's own tokens in the core, and the answer's later tokens read the tiers.
+    queries are recorded, so its hidden states, queries and first token are those of a full cache. Each layer is
+    re-tiered as soon as it has read, from that same read; the question's own tokens stay in the core, and the
+    answer's later tokens read the tiers.
     """
     prefix = cache.get_seq_length()
     kwargs = _last_logits_kwargs(model, cache)
     positions = torch.arange(prefix, prefix + question_ids.shape[1], device=question_ids.device).unsqueeze(0)
-    with torch.no_grad(), cache.exact_view(), record_queries(model, cache, tokens=cache.kv.query_tokens):
+    # each layer re-tiers inside the pass, from the exact read its attention just made (one archive read, not two)
+    with torch.no_grad(), cache.exact_view(retier_from=prefix), record_queries(model, cache,
+                                                                             tokens=cache.kv.query_tokens):
         out = model(input_ids=question_ids, position_ids=positions, use_cache=True, **kwargs)
-    cache.retier(queries=cache.take_queries(), keep_from=prefix)
     return out.logits[0, -1]

@@ -53,11 +53,21 @@ class TieredCache(Cache):
         #: (core, association) fixed for a layer-by-layer fill (runtime.layer_prefill): every layer must get the
         #: same sizes even when ``core_tokens: auto`` sees free memory change between layers.
         self.pinned_budgets: tuple[int, int] | None = None
+        self._retier_from: int | None = None  # set by exact_view(retier_from=...): re-tier each layer as it reads
+        self._retiered_layers = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache.update, plus peak tracking once the last layer has appended."""
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self._retier_from is not None:
+            # exact_view(retier_from=...): this layer has just read every position exactly for the question; re-tier
+            # it now from that read and the question's queries at this layer, instead of reading the archive again
+            # after the pass. The attention of this pass uses ``out``, which the re-tier leaves alone.
+            layer = self.layers[layer_idx]
+            with layer.serving(*out):
+                self.retier_layer(layer_idx, layer.take_queries(), self._retier_from)
+            self._retiered_layers += 1
         if layer_idx == len(self.layers) - 1:
             self.peak_device = max(self.peak_device, self.device_bytes())
         return out
@@ -84,16 +94,26 @@ class TieredCache(Cache):
         return [layer.take_queries() for layer in self.layers]
 
     @contextmanager
-    def exact_view(self) -> Iterator[None]:
+    def exact_view(self, retier_from: int | None = None) -> Iterator[None]:
         """While active, attention reads every cached position at full precision (one layer at a time, read back
-        from the archive): a question read this way has the full cache's hidden states, queries and first token."""
+        from the archive): a question read this way has the full cache's hidden states, queries and first token.
+
+        ``retier_from``: also re-tier each layer for the pass's queries as soon as it has read, keeping positions
+        from ``retier_from`` on in the core; one archive read per layer serves the question and its re-tier (the
+        pass must record queries: ``runtime.kv.queries.record_queries``)."""
         for layer in self.layers:
             layer.exact_reads = True
+        self._retier_from, self._retiered_layers = retier_from, 0
         try:
             yield
         finally:
             for layer in self.layers:
                 layer.exact_reads = False
+            if self._retier_from is not None and self._retiered_layers:
+                self.retiered_at = self.get_seq_length()
+                self.retiers += 1
+                self.peak_device = max(self.peak_device, self.device_bytes())
+            self._retier_from = None
 
     # ---- tiering -------------------------------------------------------------------------------------------------
     def budgets(self, length: int | None = None) -> tuple[int, int]:
