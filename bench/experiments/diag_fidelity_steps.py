@@ -57,11 +57,16 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--configs", default="full-chunk256,default,k8v4,assoc-all-8bit")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--case", action="append", help="these case ids (any half) instead of --docs tuning cases")
+    ap.add_argument("--steps", action="store_true", help="print every step's difference and margin")
     a = ap.parse_args()
     model, tokenizer = load_model("default")
-    cases = [c for c in json.loads((a.cases / "cases.json").read_text()) if c["half"] == "tune"]
+    every = json.loads((a.cases / "cases.json").read_text())
+    cases = [c for c in every if c["half"] == "tune"]
     cases = [c for c in cases if c["generator"] == "real:leval"][: a.docs // 2] + \
         [c for c in cases if c["generator"] != "real:leval"][: a.docs - a.docs // 2]
+    if a.case:
+        cases = [c for c in every if c["id"] in a.case]
     stats: dict[str, list[tuple[float, bool, float]]] = {n: [] for n in a.configs.split(",")}
     for case in cases:
         text = document_text(a.cases / case["pdf"])
@@ -77,10 +82,14 @@ def main() -> None:
                 s = Session(model, tokenizer, kv=kv)
                 s.prefill(prefix, chunk_size=bf.EXTRA.get(name, {}).get("prefill_chunk", 512))
                 got = forced(s, q, tokens)
-                for r, g in zip(ref, got):
+                for step, (r, g) in enumerate(zip(ref, got)):
                     top = r.topk(2).values
                     stats[name].append((float((r - g).abs().max()), bool(r.argmax() != g.argmax()),
                                         float(top[0] - top[1])))
+                    if a.steps:
+                        print(f"{case['id']} q{case['questions'].index(q)} {name} step {step} "
+                              f"token {tokenizer.decode(tokens[step:step + 1])!r} max|d| {stats[name][-1][0]:.3f} "
+                              f"flip {stats[name][-1][1]} margin {stats[name][-1][2]:.3f}", flush=True)
         print(case["id"], flush=True)
     for name, rows in stats.items():
         diffs = [d for d, _, _ in rows]
