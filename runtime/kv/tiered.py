@@ -110,9 +110,7 @@ class TieredCache(Cache):
             for layer in self.layers:
                 layer.exact_reads = False
             if self._retier_from is not None and self._retiered_layers:
-                self.retiered_at = self.get_seq_length()
-                self.retiers += 1
-                self.peak_device = max(self.peak_device, self.device_bytes())
+                self._retiered()
             self._retier_from = None
 
     # ---- tiering -------------------------------------------------------------------------------------------------
@@ -148,10 +146,14 @@ class TieredCache(Cache):
         for i, layer in enumerate(self.layers):
             if layer.is_initialized:
                 self.retier_layer(i, queries[i] if queries is not None else layer.queries, keep_from)
-        self.retiered_at = length
+        self._retiered()
+        return self.tier_tokens()
+
+    def _retiered(self) -> None:
+        """Book a finished re-tier of every layer (by ``retier`` or inside a question's exact pass)."""
+        self.retiered_at = self.get_seq_length()
         self.retiers += 1
         self.peak_device = max(self.peak_device, self.device_bytes())
-        return self.tier_tokens()
 
     def retier_layer(self, layer_idx: int, queries: torch.Tensor | None, keep_from: int | None = None) -> None:
         """Re-tier one layer (``retier`` does every layer; the layer-major prefill does each as soon as it is full).
