@@ -166,10 +166,12 @@ class Session:
         started = metrics.now(self.device)
         self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
         if self.kv is not None and self.kv.prefill == "layers" and ids:
-            self._layer_major(ids, chunk_size, embeds)
-        for start in range(0, len(ids) if self.cache.get_seq_length() == 0 else 0, chunk_size):
-            rows = None if embeds is None else embeds[start:start + chunk_size]
-            self._forward(ids[start:start + chunk_size], rows)
+            if self.device.type == "cuda" and self._writer is None:
+                from docfuse.runtime.kv.background import ArchiveWriter
+
+                self._writer = ArchiveWriter()
+        fill_cache(self.model, self.cache, ids, chunk_size, embeds,
+                   layers=self.kv is not None and self.kv.prefill == "layers", writer=self._writer)
         self.prefix_length = self.cache.get_seq_length()
         self.document_prefill_s = metrics.now(self.device) - started
         self.document_prefills += 1
@@ -275,26 +277,39 @@ class Session:
             finish_reason=finish,
         )
 
-    def _layer_major(self, ids: list[int], chunk_size: int, embeds: torch.Tensor | None) -> None:
-        """``kv.prefill: layers``: the whole prefix one layer at a time (runtime.layer_prefill); on CUDA the archive
-        is written by background threads while the next layer runs."""
-        from docfuse.runtime.kv.background import ArchiveWriter
-        from docfuse.runtime.layer_prefill import layer_major_prefill
-
-        if self.device.type == "cuda" and self._writer is None:
-            self._writer = ArchiveWriter()
-        layer_major_prefill(self.model, self.cache, chunk=chunk_size, writer=self._writer, **self._inputs(ids, embeds))
-
-    def _inputs(self, ids: Sequence[int], embeds: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The model's input for ``ids`` as one batch row: their ids, or their ``embeds`` rows when given."""
-        if embeds is None:
-            return {"input_ids": torch.tensor([list(ids)], dtype=torch.long, device=self.device)}
-        return {"inputs_embeds": embeds.to(self.device, self.model.dtype).unsqueeze(0)}
-
     def _forward(self, ids: Sequence[int], embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``ids`` (or their ``embeds`` rows) through the model on top of the cache; the last position's logits."""
-        past = self.cache.get_seq_length()
-        positions = torch.arange(past, past + len(ids), device=self.device).unsqueeze(0)
-        out = self.model(**self._inputs(ids, embeds), position_ids=positions, use_cache=True, logits_to_keep=1,
-                         **{self._cache_kwarg: self.cache})
-        return out.logits[0, -1]
+        return forward_tokens(self.model, self.cache, ids, embeds)
+
+
+def _inputs(model: Any, ids: Sequence[int], embeds: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The model's input for ``ids`` as one batch row: their ids, or their ``embeds`` rows when given."""
+    device = next(model.parameters()).device
+    if embeds is None:
+        return {"input_ids": torch.tensor([list(ids)], dtype=torch.long, device=device)}
+    return {"inputs_embeds": embeds.to(device, model.dtype).unsqueeze(0)}
+
+
+def forward_tokens(model: Any, cache: Any, ids: Sequence[int], embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``ids`` (or their ``embeds`` rows) through ``model`` on top of ``cache``; the last position's logits."""
+    past = cache.get_seq_length()
+    device = next(model.parameters()).device
+    positions = torch.arange(past, past + len(ids), device=device).unsqueeze(0)
+    out = model(**_inputs(model, ids, embeds), position_ids=positions, use_cache=True, logits_to_keep=1,
+                **{cache_kwarg(model): cache})
+    return out.logits[0, -1]
+
+
+@torch.inference_mode()
+def fill_cache(model: Any, cache: Any, ids: Sequence[int], chunk_size: int, embeds: torch.Tensor | None = None,
+               layers: bool = False, writer: Any = None) -> None:
+    """Prefill an empty ``cache`` with a document: ``chunk_size`` tokens per forward, or with ``layers`` one layer
+    over the whole document at a time (runtime.layer_prefill; ``writer`` archives each layer in the background)."""
+    if layers and ids:
+        from docfuse.runtime.layer_prefill import layer_major_prefill
+
+        layer_major_prefill(model, cache, chunk=chunk_size, writer=writer, **_inputs(model, ids, embeds))
+        return
+    for start in range(0, len(ids), chunk_size):
+        rows = None if embeds is None else embeds[start:start + chunk_size]
+        forward_tokens(model, cache, ids[start:start + chunk_size], rows)

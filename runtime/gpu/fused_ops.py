@@ -72,7 +72,32 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     out = torch.empty_like(q)
     _rope_kernel[(b, hq + hkv)](q, k, v, cos, sin, cos.stride(0), out, core_k, core_v, slot,
                                 core_k.stride(0), core_k.stride(1), core_k.stride(2), hq, hkv, HALF=d // 2,
-                                num_warps=1)
+                                ROW_SLOTS=False, num_warps=1)
+    return out
+
+
+def rope_write_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_write` for a paged pool (runtime.engine.pool): ``cos``/``sin`` [B, D] per batch row, and row ``b``'s
+    rotated ``k`` and ``v`` go to pool row ``rows[b]`` (device long [B]) of ``pool_k``/``pool_v`` [rows, Hkv, D]."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    cos, sin = cos.expand(b, d), sin.expand(b, d)
+    if not _use_triton(q):
+        def rot(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+            return (x.float() * c + torch.cat([-x2, x1], dim=-1) * s).to(x.dtype)
+
+        pool_k.index_copy_(0, rows, rot(k).to(pool_k.dtype))
+        pool_v.index_copy_(0, rows, v.to(pool_v.dtype))
+        return rot(q)
+    assert pool_k.stride() == pool_v.stride() and pool_k.stride(-1) == 1, "pool K and V must share one layout"
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    _rope_kernel[(b, hq + hkv)](q, k, v, cos, sin, cos.stride(0), out, pool_k, pool_v, rows,
+                                0, pool_k.stride(1), pool_k.stride(0), hq, hkv, HALF=d // 2,
+                                ROW_SLOTS=True, num_warps=1)
     return out
 
 
@@ -124,7 +149,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _rope_kernel(Q, K, V, COS, SIN, s_cos, QOUT, CK, CV, SLOT, s_cb, s_ch, s_ct, hq, hkv,
-                     HALF: tl.constexpr):
+                     HALF: tl.constexpr, ROW_SLOTS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -144,7 +169,10 @@ if HAS_TRITON:
             src = K + (b * hkv + hk) * 2 * HALF
             x1 = tl.load(src + i).to(tl.float32)
             x2 = tl.load(src + HALF + i).to(tl.float32)
-            slot = tl.load(SLOT)
+            if ROW_SLOTS:  # a paged pool: each batch row writes its own row
+                slot = tl.load(SLOT + b)
+            else:
+                slot = tl.load(SLOT)
             off = b * s_cb + hk * s_ch + slot * s_ct
             tl.store(CK + off + i, (x1 * c1 - x2 * s1).to(CK.dtype.element_ty))
             tl.store(CK + off + HALF + i, (x2 * c2 + x1 * s2).to(CK.dtype.element_ty))

@@ -1,0 +1,396 @@
+"""The decode engine: many documents and questions answered at once, each question a stream over its own tiers.
+
+``Session`` answers one question of one document at a time. The engine takes a list of documents with their
+questions and keeps every stream it can fit decoding together:
+
+1. **Prefill** one document at a time (the document that is *open*), into a batch-1 :class:`TieredCache`:
+   token-major below ``layer_major_from`` tokens (faster on short documents), layer-major above it (peak memory never
+   holds the full cache of every layer).
+2. **Start a question**: read it exactly and re-tier the document for it (``read_question``, as ``Session`` does),
+   copy the tiers into pages of the pool (:mod:`runtime.engine.pool`), roll the cache back to the document. The
+   question is now a live stream; its first answer token came out of the read. The next question of the open
+   document starts from the same prefill.
+3. **Decode** every live stream together: one batched step per token (:mod:`runtime.engine.step`), captured as a
+   CUDA graph per batch-size bucket. Each stream stops at its own end-of-sequence or ``max_new_tokens``; its pages
+   go back to the pool, and a waiting question takes its place (continuous batching).
+
+Admission is by pages: a question starts only when the pool has the pages its tiers need (counted before it is
+read), so nothing runs out of memory and nothing is dropped; a document whose single stream could never fit gets an
+error that names the settings to lower. The greedy tokens equal ``Session``'s for the same (document, question).
+
+Not yet here (they fall back to ``Session``, see :func:`engine_unsupported`): decode-time re-tiering
+(``retier_every``), pruning, the differential association encoding and ``method: evict``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from docfuse.runtime import metrics
+from docfuse.runtime.engine.pool import PagePool, PoolShape, StreamPages, pages_for
+from docfuse.runtime.engine.step import BatchStep, step_supported
+from docfuse.runtime.kv import KVConfig, TieredCache, as_kv_config, prepare_question, read_question
+from docfuse.runtime.kv.config import resolve_budget
+
+#: Batch sizes a step is built (and on CUDA captured) for; the live streams run in the smallest that holds them.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GB = 1 << 30
+
+
+@dataclass
+class Document:
+    """One document to answer: its prefix ids (or fused embedding rows), and each question's suffix ids."""
+
+    prefix: Sequence[int]
+    questions: Sequence[Sequence[int]]
+    max_new_tokens: int = 128
+    embeds: torch.Tensor | None = None
+
+
+@dataclass
+class StreamOutput:
+    """One (document, question) answer: its tokens and measurements, or the error that stopped it."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "eos"  # eos | length | error
+    prompt_tokens: int = 0
+    #: Seconds of the stream's own work to its first token: the document's prefill (first question only) and the
+    #: question's read, as ``Session`` counts it; time spent queued behind other streams is not in it.
+    ttft_s: float = 0.0
+    #: Seconds from the start of :meth:`Engine.run` to the first token, queueing included.
+    first_token_at_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    kv_device_bytes: int = 0
+    kv_host_bytes: int = 0
+    kv_full_bytes: int = 0
+    peak_memory_bytes: int = 0
+    error: str | None = None
+
+
+def engine_unsupported(model: Any, kv: KVConfig | dict | None, pruning: Any = None) -> str | None:
+    """Why the engine cannot serve this model and ``kv:`` block (``None``: it can); ``Session`` serves those."""
+    if kv is None:
+        return "kv: null (the engine serves the tiered cache)"
+    kv = as_kv_config(kv)
+    if kv.method != "tiered":
+        return f"kv.method: {kv.method}"
+    if kv.retier_every is not None:
+        return "kv.retier_every (decode-time re-tiers)"
+    if kv.differential:
+        return "kv.differential"
+    if pruning is not None:
+        return "pruning"
+    if not step_supported(model):
+        return f"{type(model).__name__}'s blocks are not the Llama block the engine's step writes out"
+    return None
+
+
+@dataclass
+class _Stream:
+    doc: int
+    question: int
+    pages: StreamPages
+    token: int  # the next token to feed
+    position: int
+    core: int  # core tokens before ``token`` is written
+    max_new: int
+    out: StreamOutput
+    decode_started: float = 0.0
+    steps: int = 0
+
+
+@dataclass
+class _Open:
+    """The document being started: its prefilled cache and the questions still to start."""
+
+    index: int
+    cache: TieredCache
+    prefix: int
+    prefill_s: float
+    next_question: int = 0
+
+
+class Engine:
+    """Answers documents' questions with every stream that fits decoding together.
+
+    Args:
+        model: a Llama-family causal LM (:func:`engine_unsupported` says which it cannot serve).
+        kv: the tiered cache's ``kv:`` block.
+        stop_ids: end-of-sequence token ids.
+        pool_bytes: device bytes for the page pool; ``None`` sizes it from free device memory (CUDA) after the
+            prefill workspace of the longest document, or 1 GiB elsewhere.
+        max_streams: most streams decoding at once (the largest bucket used).
+        graphs: capture each bucket's step as a CUDA graph (default: on CUDA).
+        prefill_chunk: tokens per forward of the document prefill.
+        layer_major_from: documents of at least this many tokens prefill layer by layer (``kv.prefill: layers``
+            always does).
+        memory_fraction: share of free device memory the pool may take when it is sized automatically.
+    """
+
+    def __init__(self, model: Any, kv: KVConfig | dict, stop_ids: set[int], *, pool_bytes: int | None = None,
+                 max_streams: int = 64, graphs: bool | None = None, prefill_chunk: int = 512,
+                 layer_major_from: int = 65536, memory_fraction: float = 0.9) -> None:
+        why = engine_unsupported(model, kv)
+        if why:
+            raise ValueError(f"the engine does not serve {why}; decode through runtime.session.Session")
+        self.model, self.kv, self.stop_ids = model, as_kv_config(kv), set(stop_ids)
+        self.device = next(model.parameters()).device
+        self.shape = PoolShape.of(model.config, self.kv, model.dtype)
+        self.pool_bytes, self.memory_fraction = pool_bytes, memory_fraction
+        self.buckets = tuple(b for b in BUCKETS if b < max_streams) + (max_streams,)
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.prefill_chunk, self.layer_major_from = prefill_chunk, layer_major_from
+        self.limit = int(model.config.max_position_embeddings)
+        self._writer: Any = None
+        self.pool: PagePool | None = None
+        self.steps: dict[int, BatchStep] = {}
+        #: What the last run did: steps, the largest number of live streams, bucket use, step seconds.
+        self.stats: dict[str, Any] = {}
+
+    # ---- sizing ------------------------------------------------------------------------------------------------
+    def stream_tokens(self, prefix: int, question: int) -> tuple[int, int]:
+        """Core and association tokens of a stream after its question's re-tier (an upper bound; exact for the
+        budgets of :meth:`TieredCache.budgets`, which keep the question's own tokens in the core)."""
+        length = prefix + question
+        kv = self.kv
+        core = length if kv.core_tokens == "auto" else resolve_budget(kv.core_tokens, length)
+        forced = min(length, kv.sink_tokens + max(kv.recent_tokens, question))
+        core = min(length, max(core, forced))
+        assoc = min(length - core, resolve_budget(kv.association_tokens, length))
+        return core, assoc
+
+    def stream_pages(self, prefix: int, question: int, max_new: int) -> tuple[int, int]:
+        core, assoc = self.stream_tokens(prefix, question)
+        return pages_for(core + max_new, self.shape.page), pages_for(assoc, self.shape.page)
+
+    def prefill_reserve(self, tokens: int) -> int:
+        """Device bytes a document of ``tokens`` needs outside the pool while it is open: its cache (the full one
+        for a token-major prefill, the tiers and one layer's full K/V for a layer-major one) and the activations of
+        one chunk."""
+        s, config = self.shape, self.model.config
+        item = torch.empty((), dtype=s.dtype).element_size()
+        full = s.layers * tokens * s.kv_heads * s.head_dim * 2 * item
+        core, assoc = self.stream_tokens(tokens, 0)
+        tiers = (pages_for(core, s.page) * s.core_page_bytes + pages_for(assoc, s.page) * s.assoc_page_bytes)
+        hidden = int(config.hidden_size)
+        if self._layer_major(tokens):
+            cache = tiers + 2 * full // s.layers + tokens * hidden * item * 2
+        else:
+            cache = full
+        chunk = min(tokens, self.prefill_chunk)
+        inter = int(getattr(config, "intermediate_size", 4 * hidden))
+        activations = chunk * (3 * inter + 6 * hidden) * 4 + chunk * tokens * 4 * int(config.num_attention_heads) \
+            + int(config.vocab_size) * 4 * 2
+        return int(1.2 * (cache + activations)) + (256 << 20)
+
+    def _layer_major(self, tokens: int) -> bool:
+        return self.kv.prefill == "layers" or tokens >= self.layer_major_from
+
+    def _make_pool(self, docs: Sequence[Document]) -> PagePool:
+        s = self.shape
+        need = [self.stream_pages(len(d.prefix), max((len(q) for q in d.questions), default=0), d.max_new_tokens)
+                for d in docs if d.questions]
+        core_bytes = sum(c * s.core_page_bytes for c, _ in need) or s.core_page_bytes
+        assoc_bytes = sum(a * s.assoc_page_bytes for _, a in need)
+        share = core_bytes / (core_bytes + assoc_bytes)
+        nbytes = self.pool_bytes
+        if nbytes is None:
+            if self.device.type == "cuda":
+                longest = max((len(d.prefix) for d in docs), default=0)
+                free = torch.cuda.mem_get_info(self.device)[0]
+                logits = max(self.buckets) * int(self.model.config.vocab_size) * 4 * 4
+                nbytes = int((free - self.prefill_reserve(longest) - logits) * self.memory_fraction)
+            else:
+                nbytes = GB
+        nbytes = max(nbytes, s.core_page_bytes + s.assoc_page_bytes)
+        return PagePool.sized(s, nbytes, share, self.device)
+
+    # ---- the run -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, docs: Sequence[Document]) -> list[list[StreamOutput]]:
+        """Answer every question of every document; outputs in the order given (one list per document)."""
+        started = time.perf_counter()
+        outputs = [[StreamOutput(prompt_tokens=len(d.prefix) + len(q)) for q in d.questions] for d in docs]
+        metrics.reset_peak_memory(self.device)
+        self.pool = pool = self._make_pool(docs)
+        s = self.shape
+        widths = [self.stream_pages(len(d.prefix), len(q), d.max_new_tokens) for d in docs for q in d.questions]
+        core_width = max((w[0] for w in widths), default=1)
+        assoc_width = max((w[1] for w in widths), default=1)
+        self.steps = {}
+        self.stats = {"steps": 0, "max_live": 0, "step_s": 0.0, "buckets": {}, "pool_bytes": pool.nbytes(),
+                      "core_pages": pool.core_total, "assoc_pages": pool.assoc_total}
+        queue = deque(i for i, d in enumerate(docs) if d.questions)
+        live: list[_Stream] = []
+        opened: _Open | None = None
+        bound: tuple[int, ...] | None = None
+        while queue or opened is not None or live:
+            # ---- admission: open the next document, start its questions while their pages are free ----
+            while len(live) < max(self.buckets):
+                if opened is None:
+                    if not queue:
+                        break
+                    i = queue[0]
+                    doc = docs[i]
+                    first = self.stream_pages(len(doc.prefix), max(len(q) for q in doc.questions),
+                                              doc.max_new_tokens)
+                    too_long = self._too_long(doc)
+                    if too_long:
+                        queue.popleft()
+                        self._fail(outputs[i], "context_too_long", too_long)
+                        continue
+                    if not pool.fits_ever(*first):
+                        queue.popleft()
+                        self._fail(outputs[i], "kv_too_large", self._too_large(doc, first))
+                        continue
+                    if live and not pool.fits_now(*first):
+                        break  # decode on; pages come back as streams finish
+                    queue.popleft()
+                    opened = self._open(i, doc, outputs[i])
+                    if opened is None:
+                        continue
+                doc = docs[opened.index]
+                q = opened.next_question
+                need = self.stream_pages(opened.prefix, len(doc.questions[q]), doc.max_new_tokens)
+                if not pool.fits_now(*need):
+                    if not live:  # cannot happen when fits_ever held: every page is free
+                        raise RuntimeError("the pool is empty and still cannot hold a stream it was sized for")
+                    break
+                stream = self._start(opened, doc, q, outputs[opened.index][q], started)
+                if stream is not None:
+                    live.append(stream)
+                opened.next_question += 1
+                if opened.next_question == len(doc.questions):
+                    opened = None  # the document's cache goes; its streams hold their own tiers
+            if not live:
+                continue
+            # ---- one step for every live stream ----
+            key = tuple(id(st) for st in live)
+            size = next(b for b in self.buckets if b >= len(live))
+            step = self.steps.get(size)
+            if step is None:
+                step = self.steps[size] = BatchStep(self.model, pool, size, core_width, assoc_width, self.graphs)
+            if key != bound or step is not self._bound_step:
+                step.bind([(st.pages, st.token, st.position, st.core) for st in live])
+                bound, self._bound_step = key, step
+            t0 = time.perf_counter()
+            tokens = step.run()[: len(live), 0].tolist()  # waits for the device
+            self.stats["step_s"] += time.perf_counter() - t0
+            self.stats["steps"] += 1
+            self.stats["max_live"] = max(self.stats["max_live"], len(live))
+            self.stats["buckets"][size] = self.stats["buckets"].get(size, 0) + 1
+            done = []
+            for st, token in zip(live, tokens):
+                st.steps += 1
+                st.core += 1
+                st.position += 1
+                st.token = token
+                if not self._take(st, token):
+                    done.append(st)
+            for st in done:
+                live.remove(st)
+                self._finish(st)
+        peak = metrics.peak_memory_bytes(self.device)
+        for doc_out in outputs:
+            for out in doc_out:
+                if out.error is None:
+                    out.peak_memory_bytes = peak
+        self.stats["wall_s"] = time.perf_counter() - started
+        return outputs
+
+    _bound_step: BatchStep | None = None
+
+    # ---- pieces of the run -------------------------------------------------------------------------------------
+    def _open(self, index: int, doc: Document, outputs: list[StreamOutput]) -> _Open | None:
+        """Prefill a document into a fresh tiered cache; on failure every question of it gets the error."""
+        from docfuse.runtime.session import fill_cache
+
+        layers = self._layer_major(len(doc.prefix))
+        if layers and self.device.type == "cuda" and self._writer is None:
+            from docfuse.runtime.kv.background import ArchiveWriter
+
+            self._writer = ArchiveWriter()
+        cache = TieredCache(self.model.config, self.kv)
+        t0 = metrics.now(self.device)
+        try:
+            fill_cache(self.model, cache, list(doc.prefix), self.prefill_chunk, doc.embeds, layers=layers,
+                       writer=self._writer)
+        except torch.OutOfMemoryError as exc:
+            del cache
+            torch.cuda.empty_cache()
+            self._fail(outputs, "out_of_memory",
+                       f"prefilling {len(doc.prefix)} tokens ran out of device memory ({str(exc).splitlines()[0]}); "
+                       "set kv.prefill: layers, lower answer.prefill_chunk, or truncate the document")
+            return None
+        return _Open(index, cache, cache.get_seq_length(), metrics.now(self.device) - t0)
+
+    def _start(self, opened: _Open, doc: Document, q: int, out: StreamOutput, started: float) -> _Stream | None:
+        """Read question ``q`` of the open document, move its tiers into pages; ``None`` when it ends at once."""
+        cache, model = opened.cache, self.model
+        question = torch.tensor([list(doc.questions[q])], dtype=torch.long, device=self.device)
+        t0 = metrics.now(self.device)
+        if self.kv.question == "exact":
+            logits = read_question(model, cache, question)
+        else:
+            from docfuse.runtime.session import forward_tokens
+
+            prepare_question(model, cache, question)
+            logits = forward_tokens(model, cache, list(doc.questions[q]))
+        token = int(logits.argmax())
+        now = time.perf_counter()
+        out.ttft_s = now - t0 + (opened.prefill_s if q == 0 else 0.0)
+        out.first_token_at_s = now - started
+        acc = cache.accounting()
+        out.kv_device_bytes, out.kv_host_bytes, out.kv_full_bytes = (acc["kv_device_bytes"], acc["kv_host_bytes"],
+                                                                     acc["kv_full_bytes"])
+        length = cache.get_seq_length()
+        stream = _Stream(opened.index, q, StreamPages([], [], 0, 0), token, length, cache.layers[0].n_core,
+                         doc.max_new_tokens, out)
+        live = self._take(stream, token, first=True)
+        if live:
+            stream.pages = self.pool.load(cache, doc.max_new_tokens)
+            stream.decode_started = time.perf_counter()
+        cache.rollback(opened.prefix)
+        return stream if live else None
+
+    def _take(self, st: _Stream, token: int, first: bool = False) -> bool:
+        """Book ``token`` for the stream as ``Session`` does; whether the stream decodes on."""
+        if token in self.stop_ids:
+            st.out.finish_reason = "eos"
+            return False
+        st.out.tokens.append(token)
+        if len(st.out.tokens) >= st.max_new:
+            st.out.finish_reason = "length"
+            return False
+        return True
+
+    def _finish(self, st: _Stream) -> None:
+        seconds = time.perf_counter() - st.decode_started
+        st.out.decode_tokens_per_s = st.steps / seconds if st.steps and seconds > 0 else 0.0
+        self.pool.release(st.pages)
+
+    def _too_long(self, doc: Document) -> str | None:
+        reserve = max((len(q) for q in doc.questions), default=0) + doc.max_new_tokens
+        if len(doc.prefix) + reserve <= self.limit:
+            return None
+        return (f"document is {len(doc.prefix)} tokens and the question plus answer need {reserve} more, the model "
+                f"holds {self.limit}; set truncate: head (--set answer.truncate=head) or use a model with a longer "
+                "context")
+
+    def _fail(self, outputs: list[StreamOutput], kind: str, message: str) -> None:
+        for out in outputs:
+            out.error, out.finish_reason = f"{kind}: {message}", "error"
+
+    def _too_large(self, doc: Document, need: tuple[int, int]) -> str:
+        s, pool = self.shape, self.pool
+        want = need[0] * s.core_page_bytes + need[1] * s.assoc_page_bytes
+        return (f"a question on this {len(doc.prefix)}-token document needs {want / 2**20:.1f} MiB of device tiers "
+                f"({need[0]} core and {need[1]} association pages) and the engine's pool holds "
+                f"{pool.nbytes() / 2**20:.1f} MiB ({pool.core_total} and {pool.assoc_total}); lower kv.core_tokens, "
+                "kv.association_tokens or kv.association_bits, or truncate the document (answer.truncate: head)")

@@ -1,0 +1,173 @@
+"""One greedy decode step for a batch of streams over the page pool, and its CUDA graph.
+
+A :class:`BatchStep` owns the static inputs of a batch of ``size`` rows: the token each row feeds, its position, its
+core and association page tables and its counts, all on the device. :meth:`BatchStep.bind` writes the live streams
+into them (rows past the live ones idle on the scratch page); :meth:`BatchStep.run` decodes one token for every row.
+The step is written out block by block (:class:`~runtime.llama_block.LlamaBlock` with the fused kernels of
+:mod:`runtime.gpu.fused_ops`), and everything that changes from one token to the next (the write row, the counts,
+the positions) advances on the device, so on CUDA the step is captured once per batch size and replayed.
+
+Attention per layer: the paged Triton kernel (:mod:`runtime.gpu.paged_kernel`) on CUDA where it covers the shape;
+elsewhere, row by row through :func:`runtime.kv.code_attention.code_attention`, the function ``Session`` decodes
+with on the CPU (it reads the host's copy of the counts, so that path runs eagerly, not in a graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from docfuse.runtime.engine.pool import PagePool, StreamPages
+from docfuse.runtime.gpu import fused_ops
+from docfuse.runtime.gpu.decode_step import FUSED
+from docfuse.runtime.gpu.paged_kernel import (HAS_TRITON, paged_decode_attention, paged_kernel_supports,
+                                              paged_splits)
+from docfuse.runtime.kv.code_attention import code_attention
+from docfuse.runtime.llama_block import LlamaBlock, norm_eps
+
+
+def step_supported(model: Any) -> bool:
+    """Whether the written-out step knows this model: a decoder of Llama blocks with embeddings, RoPE and a norm."""
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return False
+    return all(LlamaBlock.fits(block) for block in base.layers)
+
+
+class PagedAttention:
+    """The step's attention hook for one layer: RoPE per row, the new K/V into each row's next core slot, then
+    attention over the row's association and core pages."""
+
+    def __init__(self, step: BatchStep, layer: int, cos: torch.Tensor, sin: torch.Tensor, scale: float) -> None:
+        self.step, self.layer, self.cos, self.sin, self.scale = step, layer, cos, sin, scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        st, pool, i = self.step, self.step.pool, self.layer
+        q = fused_ops.rope_write_rows(q[:, 0], k[:, 0], v[:, 0], self.cos, self.sin, pool.core_k[i], pool.core_v[i],
+                                      st.write_rows)
+        if st.kernel:
+            out = paged_decode_attention(q, pool, i, st.core_table, st.n_core, st.assoc_table, st.n_assoc,
+                                         self.scale, st.splits)
+        else:
+            out = st.reference_attention(q, i, self.scale)
+        return out.unsqueeze(1)
+
+
+class BatchStep:
+    """Static inputs and the step for up to ``size`` streams.
+
+    Args:
+        model: a decoder that :func:`step_supported` accepts.
+        pool: the page pool the streams live in.
+        size: batch rows (a bucket: the engine keeps one step per bucket it uses).
+        core_width / assoc_width: page-table width, the most pages any stream has in each tier.
+        graph: capture the step as a CUDA graph on the first run (CUDA and the kernel only).
+    """
+
+    def __init__(self, model: Any, pool: PagePool, size: int, core_width: int, assoc_width: int,
+                 graph: bool = False) -> None:
+        self.model, self.pool, self.size = model, pool, size
+        dev = pool.device
+        s = pool.shape
+        self.core_table = torch.zeros(size, max(1, core_width), dtype=torch.int32, device=dev)
+        self.assoc_table = torch.zeros(size, max(1, assoc_width), dtype=torch.int32, device=dev)
+        self.n_core = torch.zeros(size, dtype=torch.int32, device=dev)  # core tokens once this step's is written
+        self.n_assoc = torch.zeros(size, dtype=torch.int32, device=dev)
+        self.write_rows = torch.zeros(size, dtype=torch.long, device=dev)
+        self.tok = torch.zeros(size, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(size, 1, dtype=torch.long, device=dev)
+        self.kernel = (HAS_TRITON and dev.type == "cuda"
+                       and paged_kernel_supports(s.head_dim, s.key_bits, s.value_bits, s.page, s.group, s.vgroup))
+        self.splits = paged_splits(size * s.kv_heads, max(core_width, assoc_width)) if self.kernel else 1
+        self.want_graph = graph and self.kernel
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.rows: list[StreamPages | None] = [None] * size
+        self.host_core = [0] * size  # the host's copy of n_core before the step (reference path)
+        self.logits: torch.Tensor | None = None
+
+    # ---- inputs ----------------------------------------------------------------------------------------------
+    def bind(self, streams: Sequence[tuple[StreamPages, int, int, int]]) -> None:
+        """Write the live streams into rows ``0..len-1``: (pages, token to feed, its position, core tokens before
+        it). Rows after them idle: scratch page, one core token, no association."""
+        if len(streams) > self.size:
+            raise ValueError(f"{len(streams)} streams for a step of {self.size} rows")
+        ct = torch.zeros_like(self.core_table, device="cpu")
+        at = torch.zeros_like(self.assoc_table, device="cpu")
+        nc = torch.zeros(self.size, dtype=torch.int32)
+        na = torch.zeros(self.size, dtype=torch.int32)
+        tok = torch.zeros(self.size, 1, dtype=torch.long)
+        pos = torch.zeros(self.size, 1, dtype=torch.long)
+        self.rows = [None] * self.size
+        for r, (pages, token, position, core) in enumerate(streams):
+            if len(pages.core) > ct.shape[1] or len(pages.assoc) > at.shape[1]:
+                raise ValueError("a stream has more pages than the step's tables are wide")
+            ct[r, : len(pages.core)] = torch.tensor(pages.core, dtype=torch.int32)
+            if pages.assoc:
+                at[r, : len(pages.assoc)] = torch.tensor(pages.assoc, dtype=torch.int32)
+            nc[r], na[r], tok[r, 0], pos[r, 0] = core, pages.n_assoc, token, position
+            self.rows[r] = pages
+        self.host_core = nc.tolist()
+        for dst, src in ((self.core_table, ct), (self.assoc_table, at), (self.n_core, nc), (self.n_assoc, na),
+                         (self.tok, tok), (self.pos, pos)):
+            dst.copy_(src)
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _advance(self) -> None:
+        page = self.pool.shape.page
+        index = (self.n_core // page).long().clamp_(max=self.core_table.shape[1] - 1).unsqueeze(1)
+        self.write_rows.copy_(self.core_table.gather(1, index).squeeze(1).long() * page + (self.n_core % page).long())
+        self.n_core += 1
+        base = self.model.model
+        x = base.embed_tokens(self.tok)  # [B, 1, hidden]
+        cos, sin = base.rotary_emb(x, position_ids=self.pos)  # [B, 1, D]
+        cos, sin = cos[:, 0], sin[:, 0]
+        delta = None
+        for i, layer in enumerate(base.layers):
+            block = LlamaBlock(layer, FUSED)
+            x, delta = block.forward(x, delta, PagedAttention(self, i, cos, sin, block.scaling))
+        h, _ = fused_ops.add_rms_norm(x, delta, base.norm.weight, norm_eps(base.norm))
+        self.logits = self.model.lm_head(h)[:, -1]
+        self.tok.copy_(self.logits.argmax(-1, keepdim=True))
+        self.pos += 1
+
+    def run(self) -> torch.Tensor:
+        """Decode one token for every row; returns the ``[size, 1]`` tokens (overwritten by the next run)."""
+        if self.want_graph and self.graph is None:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._advance()
+        self.host_core = [c + 1 for c in self.host_core]
+        return self.tok
+
+    def _capture(self) -> None:
+        """Warm up once on a side stream, put the inputs back, capture the step."""
+        saved = [t.clone() for t in (self.tok, self.pos, self.n_core)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._advance()
+        torch.cuda.current_stream().wait_stream(stream)
+        for dst, src in zip((self.tok, self.pos, self.n_core), saved):
+            dst.copy_(src)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._advance()
+        for dst, src in zip((self.tok, self.pos, self.n_core), saved):  # capture does not run, but be sure
+            dst.copy_(src)
+        self.graph = graph
+
+    def reference_attention(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """Row by row over the rows' tiers, through the CPU decode attention (host counts; not capturable)."""
+        out = torch.zeros_like(q)
+        for r, pages in enumerate(self.rows):
+            if pages is None:
+                continue
+            count = self.host_core[r] + 1
+            k, v = self.pool.core_of(layer, pages, count)
+            out[r] = code_attention(q[r: r + 1], k, v, count, self.pool.assoc_of(layer, pages), scale)[0].to(q.dtype)
+        return out

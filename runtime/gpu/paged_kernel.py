@@ -1,0 +1,171 @@
+"""Triton decode attention over paged tiers, ragged: every batch row has its own page tables and token counts.
+
+The engine (:mod:`runtime.engine`) keeps many streams' tiers in one pool of pages (:mod:`runtime.engine.pool`). One
+program per (batch row, KV head, split) reads its row's counts from the device, walks its share of the row's
+association pages (packed 4- or 8-bit codes, dequantised in registers, as :mod:`runtime.gpu.attention_kernel` does)
+and core pages (model precision), with an online softmax, and writes a partial result; ``combine_splits`` merges
+the splits. A tile is one page, so a tile's tokens are contiguous rows of the pool. Counts live on the device, so a
+captured CUDA graph serves any mix of lengths up to the tables' width; a row's work is its own length, not the
+longest row's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from docfuse.runtime.gpu.fused_ops import combine_splits
+from docfuse.runtime.gpu.triton_support import HAS_TRITON, tl, triton
+
+LOG2E = 1.4426950408889634
+
+
+def paged_kernel_supports(head_dim: int, key_bits: int, value_bits: int, page: int, group: int, vgroup: int) -> bool:
+    """Whether the kernel handles this layout: a power-of-two head of 32 channels or more, 4- or 8-bit codes."""
+    return (head_dim >= 32 and not head_dim & (head_dim - 1) and key_bits in (4, 8) and value_bits in (4, 8)
+            and page % group == 0 and vgroup == 32 and page in (32, 64, 128))
+
+
+def _dot_dtype():
+    return tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _paged_kernel(
+        Q, s_qb, s_qh,
+        KC, VC, s_ct, s_ch, CT, s_ctb, NC,
+        AKC, s_akt, s_akh, AKS, AKZ, s_kst, s_ksh,
+        AVC, s_avt, s_avh, AVS, AVZ, s_vst, s_vsh,
+        AT, s_atb, NA,
+        M_OUT, L_OUT, ACC_OUT, n_split, hkv, qk_scale,
+        GQ: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+        KGROUP: tl.constexpr, VGROUP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr,
+    ):
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid_bh // hkv
+        h = pid_bh % hkv
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        n = tl.arange(0, PAGE)
+        g_ok = g < GQ
+        q = tl.load(Q + b * s_qb + (h * GQ + g)[:, None] * s_qh + d[None, :], mask=g_ok[:, None], other=0.0).to(DOT)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+
+        # ---- association pages: packed codes ----
+        n_a = tl.load(NA + b)
+        pages_a = tl.cdiv(n_a, PAGE)
+        per_a = tl.cdiv(pages_a, n_split)
+        for i in tl.range(0, per_a):
+            pi = pid_s * per_a + i
+            page = tl.load(AT + b * s_atb + pi, mask=pi < pages_a, other=0)
+            t = pi * PAGE + n
+            t_ok = (t < n_a) & (pi < pages_a)
+            rows = page * PAGE + n
+            if KBITS == 4:
+                j = tl.arange(0, D // 2)
+                kb = tl.load(AKC + rows[:, None] * s_akt + h * s_akh + j[None, :], mask=t_ok[:, None], other=0)
+                kq = tl.reshape(tl.join(kb & 15, kb >> 4), (PAGE, D)).to(tl.float32)
+            else:
+                kq = tl.load(AKC + rows[:, None] * s_akt + h * s_akh + d[None, :], mask=t_ok[:, None],
+                             other=0).to(tl.float32)
+            grows = page * (PAGE // KGROUP) + tl.arange(0, PAGE // KGROUP)
+            ks_off = grows[:, None] * s_kst + h * s_ksh + d[None, :]
+            k_s = tl.load(AKS + ks_off).to(tl.float32)
+            k_z = tl.load(AKZ + ks_off).to(tl.float32)
+            k3 = tl.reshape(kq, (PAGE // KGROUP, KGROUP, D)) * k_s[:, None, :] + k_z[:, None, :]
+            k = tl.reshape(k3, (PAGE, D)).to(DOT)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if VBITS == 4:
+                j2 = tl.arange(0, D // 2)
+                vb = tl.load(AVC + rows[:, None] * s_avt + h * s_avh + j2[None, :], mask=t_ok[:, None], other=0)
+                vq = tl.reshape(tl.join(vb & 15, vb >> 4), (PAGE, D)).to(tl.float32)
+            else:
+                vq = tl.load(AVC + rows[:, None] * s_avt + h * s_avh + d[None, :], mask=t_ok[:, None],
+                             other=0).to(tl.float32)
+            vs_off = rows[:, None] * s_vst + h * s_vsh + tl.arange(0, D // VGROUP)[None, :]
+            v_s = tl.load(AVS + vs_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            v_z = tl.load(AVZ + vs_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            v3 = tl.reshape(vq, (PAGE, D // VGROUP, VGROUP)) * v_s[:, :, None] + v_z[:, :, None]
+            v = tl.reshape(v3, (PAGE, D)).to(DOT)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
+            m_i = m_new
+
+        # ---- core pages: exact ----
+        n_c = tl.load(NC + b)
+        pages_c = tl.cdiv(n_c, PAGE)
+        per_c = tl.cdiv(pages_c, n_split)
+        for i in tl.range(0, per_c):
+            pi = pid_s * per_c + i
+            page = tl.load(CT + b * s_ctb + pi, mask=pi < pages_c, other=0)
+            t = pi * PAGE + n
+            t_ok = (t < n_c) & (pi < pages_c)
+            off = (page * PAGE + n)[:, None] * s_ct + h * s_ch + d[None, :]
+            k = tl.load(KC + off, mask=t_ok[:, None], other=0.0).to(DOT)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(VC + off, mask=t_ok[:, None], other=0.0).to(DOT)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
+            m_i = m_new
+
+        row = (b * hkv * GQ + h * GQ + g) * n_split + pid_s
+        tl.store(M_OUT + row, m_i, mask=g_ok)
+        tl.store(L_OUT + row, l_i, mask=g_ok)
+        tl.store(ACC_OUT + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+
+
+def paged_splits(batch_heads: int, max_pages: int, sms: int | None = None) -> int:
+    """Splits per (row, KV head): about four programs per multiprocessor, at most one per page of the widest row."""
+    if sms is None:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    return max(1, min(max(1, 4 * sms // max(1, batch_heads)), max_pages))
+
+
+def paged_decode_attention(q: torch.Tensor, pool, layer: int, core_table: torch.Tensor, n_core: torch.Tensor,
+                           assoc_table: torch.Tensor, n_assoc: torch.Tensor, scale: float,
+                           splits: int) -> torch.Tensor:
+    """Attention of ``q`` [B, Hq, D] over each row's association and core pages of ``pool`` (a
+    :class:`~runtime.engine.pool.PagePool`) at ``layer``; tables [B, W] int32, counts [B] int32; -> [B, Hq, D].
+
+    Every row must have at least one token (idle rows point at the scratch page with a count of one or more)."""
+    if not HAS_TRITON:
+        raise RuntimeError("paged_decode_attention needs Triton; use runtime.engine.attention's reference path")
+    s = pool.shape
+    b, hq, dim = q.shape
+    hkv = s.kv_heads
+    gq = hq // hkv
+    kc, vc = pool.core_k[layer], pool.core_v[layer]
+    akc, aks, akz = pool.key_codes[layer], pool.key_scale[layer], pool.key_zero[layer]
+    avc, avs, avz = pool.value_codes[layer], pool.value_scale[layer], pool.value_zero[layer]
+    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(b, hq, splits, dim, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    _paged_kernel[(b * hkv, splits)](
+        q, q.stride(0), q.stride(1),
+        kc, vc, kc.stride(0), kc.stride(1), core_table, core_table.stride(0), n_core,
+        akc, akc.stride(0), akc.stride(1), aks, akz, aks.stride(0), aks.stride(1),
+        avc, avc.stride(0), avc.stride(1), avs, avz, avs.stride(0), avs.stride(1),
+        assoc_table, assoc_table.stride(0), n_assoc,
+        m, l, acc, splits, hkv, scale * LOG2E,
+        GQ=gq, BLOCK_G=max(16, triton.next_power_of_2(gq)), PAGE=s.page, D=dim,
+        KGROUP=s.group, VGROUP=s.vgroup, KBITS=s.key_bits, VBITS=s.value_bits, DOT=_dot_dtype(),
+        num_warps=8 if s.page >= 128 else 4, num_stages=2,
+    )
+    return combine_splits(m, l, acc, q.dtype)

@@ -1,0 +1,189 @@
+"""The decode engine (runtime.engine) on CPU: many streams at once give the answers one Session gives each alone.
+
+CI has no GPU, so this runs the engine's scheduling (admission by pages, ragged counts, slot reuse, bucket choice,
+stop handling) through the CPU paths: the step's torch fallbacks and the row-by-row reference attention. One test
+runs the paged Triton kernel itself under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from docfuse.runtime.engine import Document, Engine, engine_unsupported
+from docfuse.runtime.engine.pool import PagePool, PoolShape, StreamPages
+from docfuse.runtime.kv import TieredCache, as_kv_config, read_question
+from docfuse.runtime.kv.code_attention import reading_codes
+from docfuse.runtime.session import fill_cache, forward_tokens
+from tests.test_decode_step import tiny
+
+KV = {"core_tokens": 0.1, "association_tokens": 0.5, "recent_tokens": 16, "query_tokens": 24,
+      "association_bits": 4, "association_key_bits": 8}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.inference_mode()
+def alone(model, kv: dict, prefix: list[int], question: list[int], max_new: int, stops: set[int]) -> list[int]:
+    """What Session does for one question: prefill, read the question exactly, decode greedily over the codes."""
+    cache = TieredCache(model.config, kv)
+    fill_cache(model, cache, prefix, 64)
+    token = int(read_question(model, cache, torch.tensor([question])).argmax())
+    out: list[int] = []
+    with reading_codes(model, cache):
+        while token not in stops:
+            out.append(token)
+            if len(out) >= max_new:
+                break
+            token = int(forward_tokens(model, cache, [token]).argmax())
+    return out
+
+
+def documents() -> list[Document]:
+    """Short and long documents, one to three questions each, different answer budgets."""
+    return [Document(ids(300, 1), [ids(9, 11), ids(14, 12)], max_new_tokens=12),
+            Document(ids(700, 2), [ids(12, 21)], max_new_tokens=20),
+            Document(ids(150, 3), [ids(7, 31), ids(20, 32), ids(11, 33)], max_new_tokens=8),
+            Document(ids(520, 4), [ids(10, 41)], max_new_tokens=16)]
+
+
+def test_many_streams_answer_as_each_alone_with_queueing_and_slot_reuse() -> None:
+    model = tiny(seed=3)
+    docs = documents()
+    expected = [[alone(model, KV, list(d.prefix), list(q), d.max_new_tokens, set()) for q in d.questions]
+                for d in docs]
+    # a stop token that some answers reach early: every stream then stops at its own length
+    stop = next(t for answers in expected for a in answers for t in a[2:5])
+    expected = [[alone(model, KV, list(d.prefix), list(q), d.max_new_tokens, {stop}) for q in d.questions]
+                for d in docs]
+    assert any(len(a) < d.max_new_tokens for d, answers in zip(docs, expected) for a in answers)
+    engine = Engine(model, KV, {stop}, max_streams=4)
+    shape = PoolShape.of(model.config, engine.kv, model.dtype)
+    # a pool that holds about three streams: documents wait for pages, finished streams hand theirs on
+    engine.pool_bytes = 3 * (3 * shape.core_page_bytes + 3 * shape.assoc_page_bytes)
+    got = engine.run(docs)
+    assert [[o.tokens for o in d] for d in got] == expected
+    assert all(o.error is None and o.finish_reason in ("eos", "length") for d in got for o in d)
+    stats = engine.stats
+    assert 1 < stats["max_live"] <= 4
+    assert len(stats["buckets"]) >= 2  # the batch shrank and grew through buckets
+    assert len(engine.pool.free_core) == engine.pool.core_total  # every page came back
+    assert len(engine.pool.free_assoc) == engine.pool.assoc_total
+
+
+def test_a_stream_that_can_never_fit_is_an_error_row_and_the_rest_finish() -> None:
+    model = tiny(seed=3)
+    docs = [Document(ids(200, 5), [ids(8, 51)], max_new_tokens=6),
+            Document(ids(3000, 6), [ids(8, 61), ids(9, 62)], max_new_tokens=6),
+            Document(ids(4100, 7), [ids(8, 71)], max_new_tokens=6)]  # past the 4096-position context
+    engine = Engine(model, KV, set())
+    shape = PoolShape.of(model.config, engine.kv, model.dtype)
+    engine.pool_bytes = int(2.5 * (shape.core_page_bytes + shape.assoc_page_bytes))
+    got = engine.run(docs)
+    assert got[0][0].error is None and got[0][0].tokens == alone(model, KV, list(docs[0].prefix),
+                                                                 list(docs[0].questions[0]), 6, set())
+    assert all(o.error.startswith("kv_too_large:") and "kv.core_tokens" in o.error for o in got[1])
+    assert got[2][0].error.startswith("context_too_long:") and "truncate" in got[2][0].error
+
+
+def test_the_pool_keeps_a_streams_tiers_exactly() -> None:
+    model = tiny(seed=3)
+    kv = as_kv_config(KV)
+    cache = TieredCache(model.config, kv)
+    with torch.inference_mode():
+        fill_cache(model, cache, ids(333, 8), 64)
+        read_question(model, cache, torch.tensor([ids(10, 81)]))
+    pool = PagePool(PoolShape.of(model.config, kv, model.dtype), 8, 8, "cpu")
+    pool.allocate(1, 2)  # someone else's pages first: the stream's are not the first ones
+    stream = pool.load(cache, core_extra=5)
+    for i, layer in enumerate(cache.layers):
+        k, v = pool.core_of(i, stream, layer.n_core)
+        assert torch.equal(k, layer.keys[:, :, : layer.n_core]) and torch.equal(v, layer.values[:, :, : layer.n_core])
+        a, b = pool.assoc_of(i, stream).dequantize(torch.float32), layer.assoc.dequantize(torch.float32)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    free, held = (len(pool.free_core), len(pool.free_assoc)), (len(stream.core), len(stream.assoc))
+    assert held == (-(-(cache.layers[0].n_core + 5) // 128), -(-cache.layers[0].n_assoc // 128))
+    pool.release(stream)
+    assert (len(pool.free_core), len(pool.free_assoc)) == (free[0] + held[0], free[1] + held[1])
+
+
+def test_what_the_engine_does_not_serve_is_named() -> None:
+    model = tiny()
+    assert engine_unsupported(model, KV) is None
+    assert "kv: null" in engine_unsupported(model, None)
+    assert "retier_every" in engine_unsupported(model, {**KV, "retier_every": 8})
+    assert "evict" in engine_unsupported(model, {"method": "evict"})
+    with pytest.raises(ValueError, match="Session"):
+        Engine(model, {**KV, "differential": True}, set())
+
+
+def test_the_paged_kernel_matches_the_reference_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from tests.test_engine_decode import kernel_vs_reference\n"
+        "print(kernel_vs_reference())\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst = float(out.stdout.strip().splitlines()[-1])
+    assert worst < 1e-4
+
+
+def kernel_vs_reference() -> float:
+    """Largest relative error of the paged kernel against the row-by-row reference, over ragged rows, for 4- and
+    8-bit codes (run under TRITON_INTERPRET=1 by the test above)."""
+    from docfuse.runtime.engine.step import BatchStep
+    from docfuse.runtime.gpu.paged_kernel import paged_decode_attention
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for key_bits, bits in ((8, 4), (4, 8), (8, 8)):
+        config = tiny().config
+        config.head_dim = 32
+        kv = as_kv_config({**KV, "association_key_bits": key_bits, "association_bits": bits})
+        shape = PoolShape(layers=1, kv_heads=2, head_dim=32, dtype=torch.float32, key_bits=key_bits,
+                          value_bits=bits, group=32, page=32)
+        pool = PagePool(shape, 12, 12, "cpu")
+        streams = []
+        for n_core, n_assoc in ((5, 0), (40, 70), (33, 96)):
+            cache_k = torch.randn(1, 2, n_core, 32)
+            cache_v = torch.randn(1, 2, n_core, 32)
+            core, assoc = pool.allocate(-(-n_core // 32), -(-n_assoc // 32))
+            pages = StreamPages(core, assoc, n_core, n_assoc)
+            rows = pool.rows(core, n_core)
+            pool.core_k[0].index_copy_(0, rows, cache_k[0].transpose(0, 1))
+            pool.core_v[0].index_copy_(0, rows, cache_v[0].transpose(0, 1))
+            if n_assoc:
+                from docfuse.runtime.kv.association import AssociationStore
+
+                store = AssociationStore.build(torch.randn(1, 2, n_assoc, 32) * 2, torch.randn(1, 2, n_assoc, 32),
+                                               bits, 32, key_bits=key_bits)
+                pool._load_assoc(0, store, assoc)
+            streams.append(pages)
+        step = BatchStep.__new__(BatchStep)
+        step.pool, step.rows = pool, streams + [None]
+        step.host_core = [p.n_core - 1 for p in streams] + [0]
+        q = torch.randn(4, 8, 32)
+        ref = step.reference_attention(q, 0, 32 ** -0.5)[:3]
+        ct = torch.zeros(4, 4, dtype=torch.int32)
+        at = torch.zeros(4, 4, dtype=torch.int32)
+        for r, p in enumerate(streams):
+            ct[r, : len(p.core)] = torch.tensor(p.core)
+            if p.assoc:
+                at[r, : len(p.assoc)] = torch.tensor(p.assoc)
+        nc = torch.tensor([p.n_core for p in streams] + [1], dtype=torch.int32)
+        na = torch.tensor([p.n_assoc for p in streams] + [0], dtype=torch.int32)
+        out = paged_decode_attention(q, pool, 0, ct, nc, at, na, 32 ** -0.5, splits=2)[:3]
+        worst = max(worst, float((out - ref).norm() / ref.norm()))
+        del kv
+    return worst
