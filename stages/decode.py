@@ -6,6 +6,7 @@ prompt prefix that is prefilled once; every question then costs only its own suf
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -37,6 +38,11 @@ class DecodeParams(StageParams):
                                            "safe_mode: false} (see runtime.pruning.PruningConfig); null = dense")
     system: str | None = Field(None, description="system message; null = answer from the document, concisely; "
                                                  "'' = the model's own default")
+    engine: Literal["auto", "on", "off"] = Field(
+        "auto", description="the batched decode engine (runtime.engine): every question of every document of the "
+                            "batch decodes together over paged tiers. auto = on CUDA with a kv: block it serves; "
+                            "on = also on the CPU; off = one question at a time (runtime.session)")
+    max_streams: int = Field(64, gt=0, description="most (document, question) streams the engine decodes at once")
 
     @field_validator("kv")
     @classmethod
@@ -96,8 +102,12 @@ class DecodeGenerate(Stage):
     resources: ClassVar[dict[str, float]] = {"num_cpus": 1}
 
     session: Any = None
+    engine: Any = None
+    #: Why the engine does not serve this stage (None when it does, or when it was not asked for).
+    engine_note: str | None = None
 
     def setup(self) -> None:
+        from docfuse.runtime.engine import Engine, engine_unsupported
         from docfuse.runtime.prompt import DEFAULT_SYSTEM, ChatPrompt
         from docfuse.runtime.session import Session
         from docfuse.stages.models import shared_model
@@ -107,6 +117,15 @@ class DecodeGenerate(Stage):
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
                                pruning=p.pruning)
+        wanted = p.engine == "on" or (p.engine == "auto" and self.session.device.type == "cuda" and p.kv is not None)
+        if wanted:
+            self.engine_note = engine_unsupported(model, p.kv, p.pruning)
+            if self.engine_note is None:
+                self.engine = Engine(model, p.kv, self.session.stop_ids, max_streams=p.max_streams,
+                                     prefill_chunk=p.prefill_chunk)
+            else:
+                print(f"decode.generate: the batched engine does not serve {self.engine_note}; decoding one question "
+                      "at a time", file=sys.stderr)
 
     def questions(self) -> list[str]:
         """``params.questions`` (a list) when given, else ``[params.question]``; ValueError naming the fix."""
@@ -143,9 +162,75 @@ class DecodeGenerate(Stage):
                 rows.append(_row(doc_id, doc["source"], None, error=error_value("no_question", str(exc))))
             return pa.Table.from_pylist(rows, schema=self.output_schema)
         fused = fused_pages(pages) if "fused" in pages.column_names else {}
+        if self.session is None:
+            self.setup()
+        if self.engine is not None:
+            return pa.Table.from_pylist(self._answer_together(group_pages(pages), questions, fused),
+                                        schema=self.output_schema)
         for doc_id, doc in group_pages(pages).items():
             rows.extend(self._answer_document(doc_id, doc["source"], doc["pages"], questions, fused.get(doc_id)))
         return pa.Table.from_pylist(rows, schema=self.output_schema)
+
+    def _prefix(self, pages: list[tuple[int, str]], prompts: list[str], fused: list[tuple[int, Any]] | None
+                ) -> tuple[list[int], Any]:
+        """The document's prefix ids and, for a fused document, its embedding rows (ContextTooLong if too long)."""
+        from docfuse.runtime.prompt import document_text
+
+        if fused:
+            return self._fused_prefix(fused, prompts)
+        p = self.params
+        prefix = self.session.fit_document(document_text(pages), questions=prompts, max_new_tokens=p.max_new_tokens,
+                                           truncate=p.truncate)
+        return list(prefix.ids), None
+
+    def _answer_together(self, docs: dict[str, dict[str, Any]], questions: list[str],
+                         fused: dict[str, list[tuple[int, Any]]]) -> list[dict]:
+        """Every question of every document through the engine at once; rows in document order."""
+        from docfuse.runtime.engine import Document
+        from docfuse.runtime.prompt import document_text
+        from docfuse.runtime.session import ContextTooLong
+
+        p = self.params
+        prompts = [p.prompt.format(question=q) for q in questions]
+        suffixes = [list(self.session.prompt.suffix(q)) for q in prompts]
+        ready: list[tuple[str, Any, Any]] = []
+        failed: dict[str, list[dict]] = {}
+        for doc_id, doc in docs.items():
+            source = doc["source"]
+            if not document_text(doc["pages"]) and not fused.get(doc_id):
+                failed[doc_id] = [_row(doc_id, source, q, error=error_value(
+                    "no_text", f"none of the document's {len(doc['pages'])} page(s) has text; image-only pages need "
+                               "OCR or the fusion stage (trained) before decode.generate")) for q in questions]
+                continue
+            try:
+                ids, embeds = self._prefix(doc["pages"], prompts, fused.get(doc_id))
+            except ContextTooLong as exc:
+                failed[doc_id] = [_row(doc_id, source, q, error=error_value(
+                    "context_too_long", f"{exc}; set truncate: head (--set answer.truncate=head) or use a model "
+                                        "with a longer context")) for q in questions]
+                continue
+            ready.append((doc_id, source, Document(ids, suffixes, p.max_new_tokens, embeds)))
+        outputs = self.engine.run([d for _, _, d in ready])
+        answered = {doc_id: (source, outs) for (doc_id, source, _), outs in zip(ready, outputs)}
+        tokenizer = self.session.tokenizer
+        rows: list[dict] = []
+        for doc_id, doc in docs.items():
+            if doc_id in failed:
+                rows.extend(failed[doc_id])
+                continue
+            source, outs = answered[doc_id]
+            for question, out in zip(questions, outs):
+                if out.error:
+                    kind, _, message = out.error.partition(": ")
+                    rows.append(_row(doc_id, source, question, error=error_value(kind, message)))
+                    continue
+                rows.append(_row(doc_id, source, question,
+                                 answer=tokenizer.decode(out.tokens, skip_special_tokens=True).strip(),
+                                 prompt_tokens=out.prompt_tokens, ttft_s=out.ttft_s,
+                                 decode_tokens_per_s=out.decode_tokens_per_s, kv_device_bytes=out.kv_device_bytes,
+                                 kv_host_bytes=out.kv_host_bytes, kv_full_bytes=out.kv_full_bytes,
+                                 skipped_fraction=0.0, peak_memory_bytes=out.peak_memory_bytes))
+        return rows
 
     def _answer_document(self, doc_id: str, source: str | None, pages: list[tuple[int, str]],
                          questions: list[str], fused: list[tuple[int, Any]] | None = None) -> list[dict]:

@@ -155,3 +155,39 @@ def test_truncate_head_fits_the_document_into_the_context():
     assert out[0]["error"] is None and out[0]["answer"]
     assert out[0]["question"] == "What color is the sky?"  # the question, not the formatted prompt
     assert out[0]["prompt_tokens"] + 8 <= 256
+
+
+@pytest.mark.slow
+def test_the_engine_answers_every_document_and_question_as_the_session_does(passkey_pages):
+    """engine: on (the batched engine, which a GPU uses by default with kv:) gives the rows engine: off gives."""
+    kv = {"core_tokens": 0.1, "association_tokens": 0.5}
+    questions = ["What is the pass key?", "What color is the sky?"]
+    table = pages_table([("sky", 0, "# Weather\n\nThe sky is blue today. It rained yesterday."),
+                         ("huge", 0, FILLER * 420)] + passkey_pages)
+    rows = {}
+    for mode in ("off", "on"):
+        decode = stage(questions=questions, max_new_tokens=16, kv=kv, engine=mode, dtype="float32")
+        decode.setup()
+        assert (decode.engine is not None) == (mode == "on")
+        rows[mode] = decode.run(table).to_pylist()
+    assert [(r["doc_id"], r["question"]) for r in rows["on"]] == [(r["doc_id"], r["question"]) for r in rows["off"]]
+    assert [r["answer"] for r in rows["on"]] == [r["answer"] for r in rows["off"]]
+    assert "71432" in rows["on"][4]["answer"]
+    huge = [r for r in rows["on"] if r["doc_id"] == "huge"]
+    assert len(huge) == 2 and all(r["error"].startswith("context_too_long:") for r in huge)
+    for r in rows["on"]:
+        if r["error"] is None:
+            assert 0 < r["kv_device_bytes"] < r["kv_full_bytes"] and r["ttft_s"] > 0 and r["peak_memory_bytes"] > 0
+
+
+def test_the_engine_is_named_when_it_cannot_serve_the_settings():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from docfuse.runtime.engine import engine_unsupported
+
+    decode = stage("q?", engine="on", kv={"retier_every": 8})
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=64))
+    assert "retier_every" in engine_unsupported(model, decode.params.kv)
+    assert "pruning" in engine_unsupported(model, {}, {"threshold": 0.1})
+    assert decode.params.engine == "on" and decode.params.max_streams == 64

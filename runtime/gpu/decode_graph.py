@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from docfuse.runtime.gpu.decode_step import StaticDecode
+from docfuse.runtime.gpu.decode_step import StaticDecode, kernel_covers
 from docfuse.runtime.gpu.kernel_cache import KernelTieredCache
 
 
@@ -33,6 +33,10 @@ class GraphDecoder(StaticDecode):
             raise ValueError("CUDA graphs need the model and cache on a CUDA device; use StaticDecode off the GPU")
         super().__init__(model, cache, max_new, first_token, skip_mlp=skip_mlp, explicit=explicit)
         self.graph: torch.cuda.CUDAGraph | None = None
+        if not kernel_covers(cache):  # e.g. a head size the kernel lacks: the reference path, eagerly
+            for _ in range(warmup):
+                self.step()
+            return
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from docfuse.runtime.gpu import fused_ops
-from docfuse.runtime.gpu.attention_kernel import HAS_TRITON, tiered_decode_attention
+from docfuse.runtime.gpu.attention_kernel import HAS_TRITON, kernel_supports, tiered_decode_attention
 from docfuse.runtime.gpu.kernel_cache import GRAPH_ATTN_NAME, KernelTieredCache, KernelTieredLayer, register_attention
 from docfuse.runtime.gpu.reference import tiered_decode_reference
 from docfuse.runtime.llama_block import Kernels, LlamaBlock, norm_eps, unwrap
@@ -44,6 +44,13 @@ def explicit_supported(model: Any) -> bool:
     if base is None or not all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return False
     return all(LlamaBlock.fits(block) and not hasattr(unwrap(block.self_attn), "q_norm") for block in base.layers)
+
+
+def kernel_covers(cache: KernelTieredCache) -> bool:
+    """Whether the Triton kernel handles every layer's tiers (head size, bits); where it does not, decoding reads
+    the core length on the host, so it runs eagerly instead of in a CUDA graph."""
+    return all(kernel_supports(layer.assoc if layer.n_assoc else None, layer.keys.shape[-1])
+               for layer in cache.layers)
 
 
 class TierAttention:
@@ -67,7 +74,7 @@ class TierAttention:
         """Decode attention of q [B, Hq, D] over the layer's tiers, the core length read from the device."""
         layer = self.layer
         assoc = layer.assoc if layer.n_assoc else None
-        if HAS_TRITON and q.is_cuda:
+        if HAS_TRITON and q.is_cuda and kernel_supports(assoc, q.shape[-1]):
             return tiered_decode_attention(q, layer.keys, layer.values, layer.keys.shape[2], assoc, self.scale,
                                            core_count=layer.graph_count)
         n_core = int(layer.graph_count.item())  # off the GPU nothing is captured: a host read is fine

@@ -54,13 +54,14 @@ class KernelTieredLayer(TieredLayer):
         """Attention of query [B, Hq, 1, D] over this layer's tiers -> [B, 1, Hq, D] (transformers' layout)."""
         q = query[:, :, 0]
         assoc = self.assoc if self.n_assoc else None
-        if self.graph_count is not None and HAS_TRITON and q.is_cuda:
+        covered = HAS_TRITON and q.is_cuda and kernel_supports(assoc, q.shape[-1])
+        if self.graph_count is not None and covered:
             out = tiered_decode_attention(q, self.keys, self.values, self.keys.shape[2], assoc, scale,
                                           core_count=self.graph_count)
         elif self.graph_count is not None:  # static decode off the GPU: nothing is captured, a host read is fine
             out = tiered_decode_reference(q, self.keys, self.values, int(self.graph_count.item()), assoc,
                                           scale).to(q.dtype)
-        elif HAS_TRITON and q.is_cuda:
+        elif covered:
             out = tiered_decode_attention(q, self.keys, self.values, self.n_core, assoc, scale)
         else:
             out = tiered_decode_reference(q, self.keys, self.values, self.n_core, assoc, scale).to(q.dtype)
