@@ -161,13 +161,15 @@ class DecodeGenerate(Stage):
             for doc_id, doc in group_pages(pages).items():
                 rows.append(_row(doc_id, doc["source"], None, error=error_value("no_question", str(exc))))
             return pa.Table.from_pylist(rows, schema=self.output_schema)
+        from docfuse.runtime.prompt import document_text
+
         fused = fused_pages(pages) if "fused" in pages.column_names else {}
-        if self.session is None:
-            self.setup()
+        docs = group_pages(pages)
+        if self.session is None and any(document_text(d["pages"]) or fused.get(i) for i, d in docs.items()):
+            self.setup()  # only when some document has something to read: error rows need no model
         if self.engine is not None:
-            return pa.Table.from_pylist(self._answer_together(group_pages(pages), questions, fused),
-                                        schema=self.output_schema)
-        for doc_id, doc in group_pages(pages).items():
+            return pa.Table.from_pylist(self._answer_together(docs, questions, fused), schema=self.output_schema)
+        for doc_id, doc in docs.items():
             rows.extend(self._answer_document(doc_id, doc["source"], doc["pages"], questions, fused.get(doc_id)))
         return pa.Table.from_pylist(rows, schema=self.output_schema)
 
