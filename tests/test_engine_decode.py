@@ -65,7 +65,7 @@ def test_many_streams_answer_as_each_alone_with_queueing_and_slot_reuse() -> Non
     expected = [[alone(model, KV, list(d.prefix), list(q), d.max_new_tokens, {stop}) for q in d.questions]
                 for d in docs]
     assert any(len(a) < d.max_new_tokens for d, answers in zip(docs, expected) for a in answers)
-    engine = Engine(model, KV, {stop}, max_streams=4)
+    engine = Engine(model, KV, {stop}, max_streams=4, archive="device")
     shape = PoolShape.of(model.config, engine.kv, model.dtype)
     # a pool that holds about three streams: documents wait for pages, finished streams hand theirs on
     engine.pool_bytes = 3 * (3 * shape.core_page_bytes + 3 * shape.assoc_page_bytes)

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +36,7 @@ from docfuse.runtime import metrics
 from docfuse.runtime.engine.pool import PagePool, PoolShape, StreamPages, pages_for
 from docfuse.runtime.engine.step import BatchStep, step_supported
 from docfuse.runtime.kv import KVConfig, TieredCache, as_kv_config, prepare_question, read_question
+from docfuse.runtime.kv.background import DeviceArchive
 from docfuse.runtime.kv.config import resolve_budget
 
 #: Batch sizes a step is built (and on CUDA captured) for; the live streams run in the smallest that holds them.
@@ -131,11 +132,16 @@ class Engine:
         layer_major_from: documents of at least this many tokens prefill layer by layer (``kv.prefill: layers``
             always does).
         memory_fraction: share of free device memory the pool may take when it is sized automatically.
+        archive: where the open document's exact K/V wait while its questions start: ``device``
+            (:class:`~runtime.kv.background.DeviceArchive`: each question's exact read and re-tier are slices),
+            ``host`` (LZ4 in host memory, as ``Session`` keeps it: less device memory, slower questions), ``auto``:
+            the device on CUDA when the document's full K/V take at most an eighth of the card, else the host.
     """
 
     def __init__(self, model: Any, kv: KVConfig | dict, stop_ids: set[int], *, pool_bytes: int | None = None,
                  max_streams: int = 64, graphs: bool | None = None, prefill_chunk: int = 512,
-                 layer_major_from: int = 65536, memory_fraction: float = 0.9) -> None:
+                 layer_major_from: int = 65536, memory_fraction: float = 0.9,
+                 archive: Literal["auto", "device", "host"] = "auto") -> None:
         why = engine_unsupported(model, kv)
         if why:
             raise ValueError(f"the engine does not serve {why}; decode through runtime.session.Session")
@@ -147,6 +153,7 @@ class Engine:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.prefill_chunk, self.layer_major_from = prefill_chunk, layer_major_from
         self.limit = int(model.config.max_position_embeddings)
+        self.archive = archive
         self._writer: Any = None
         self.pool: PagePool | None = None
         self.steps: dict[int, BatchStep] = {}
@@ -183,11 +190,24 @@ class Engine:
             cache = tiers + 2 * full // s.layers + tokens * hidden * item * 2
         else:
             cache = full
+        if self._device_archive(tokens):
+            cache += full
         chunk = min(tokens, self.prefill_chunk)
         inter = int(getattr(config, "intermediate_size", 4 * hidden))
         activations = chunk * (3 * inter + 6 * hidden) * 4 + chunk * tokens * 4 * int(config.num_attention_heads) \
             + int(config.vocab_size) * 4 * 2
         return int(1.2 * (cache + activations)) + (256 << 20)
+
+    def _full_bytes(self, tokens: int) -> int:
+        s = self.shape
+        return s.layers * tokens * s.kv_heads * s.head_dim * 2 * torch.empty((), dtype=s.dtype).element_size()
+
+    def _device_archive(self, tokens: int) -> bool:
+        if self.archive != "auto":
+            return self.archive == "device"
+        if self.device.type != "cuda":
+            return False
+        return self._full_bytes(tokens) <= torch.cuda.get_device_properties(self.device).total_memory // 8
 
     def _layer_major(self, tokens: int) -> bool:
         return self.kv.prefill == "layers" or tokens >= self.layer_major_from
@@ -317,6 +337,9 @@ class Engine:
 
             self._writer = ArchiveWriter()
         cache = TieredCache(self.model.config, self.kv)
+        if self._device_archive(len(doc.prefix)):
+            for layer in cache.layers:
+                layer.archive = DeviceArchive()
         t0 = metrics.now(self.device)
         try:
             fill_cache(self.model, cache, list(doc.prefix), self.prefill_chunk, doc.embeds, layers=layers,

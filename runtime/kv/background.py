@@ -218,6 +218,80 @@ class ExactArchive:
         return sum(b.keys.raw_nbytes() + b.values.raw_nbytes() for b in self.blocks)
 
 
+class DeviceArchive:
+    """:class:`ExactArchive`'s interface over one uncompressed buffer where the K/V already are (the GPU).
+
+    For a document that is read again and again while it is open (the engine starts each question from it), the
+    exact K/V stay in device memory: a question's exact read and its re-tier are then slices, not decompression and a
+    host-to-device copy. Bit-exact like the LZ4 archive, so the tiers come out the same. One block covers every
+    position, so readers take the whole range in one piece.
+    """
+
+    codec = None
+    on_device = True
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self._length = 0
+        self.block_tokens = 1 << 30
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def pending(self) -> bool:
+        return False
+
+    @property
+    def blocks(self) -> list[_Block]:
+        return [] if not self._length else [_Block(0, self._length, None, None)]  # type: ignore[arg-type]
+
+    def settle(self) -> None:
+        pass
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        new = self._length + k.shape[2]
+        if self.keys is None or new > self.keys.shape[2]:
+            capacity = max(new, 2 * self._length)
+            grown_k = k.new_empty(*k.shape[:2], capacity, k.shape[3])
+            grown_v = v.new_empty(*v.shape[:2], capacity, v.shape[3])
+            if self._length:
+                grown_k[:, :, : self._length] = self.keys[:, :, : self._length]
+                grown_v[:, :, : self._length] = self.values[:, :, : self._length]
+            self.keys, self.values = grown_k, grown_v
+        self.keys[:, :, self._length: new] = k
+        self.values[:, :, self._length: new] = v
+        self._length = new
+
+    def read(self, index: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        if index != 0 or not self._length:
+            raise IndexError(f"block {index} of a device archive of {self._length} positions")
+        return 0, self._length, self.keys[:, :, : self._length], self.values[:, :, : self._length]
+
+    def block_of(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(positions, dtype=torch.long)
+
+    def truncate(self, length: int) -> None:
+        self._length = min(self._length, max(0, length))
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        idx = indices.to(self.keys.device) if self.keys is not None else indices
+        if self.keys is not None:
+            self.keys, self.values = self.keys[idx], self.values[idx]
+
+    def nbytes(self) -> int:
+        """Host bytes: none (see :meth:`device_nbytes`)."""
+        return 0
+
+    def device_nbytes(self) -> int:
+        return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
+
+    def raw_nbytes(self) -> int:
+        return 0 if self.keys is None else 2 * self.keys[:, :, : self._length].numel() * self.keys.element_size()
+
+
 def pack_blocks(k: torch.Tensor, v: torch.Tensor, start: int, block_tokens: int, codec: str | None
                 ) -> list[_Block]:
     """``k``/``v`` [B, H, T, D] (host) as archive blocks for positions ``[start, start + T)``."""
@@ -275,6 +349,9 @@ class ArchiveWriter:
         """
         start, tokens = archive.length, k.shape[2]
         if tokens == 0:
+            return
+        if getattr(archive, "on_device", False):  # a DeviceArchive keeps its copy where the K/V are
+            archive.append(k, v)
             return
         if start % archive.block_tokens:
             archive.append(k, v)  # a short last block must be topped up first: the plain path
