@@ -43,6 +43,8 @@ class DecodeParams(StageParams):
                             "batch decodes together over paged tiers. auto = on CUDA with a kv: block it serves; "
                             "on = also on the CPU; off = one question at a time (runtime.session)")
     max_streams: int = Field(64, gt=0, description="most (document, question) streams the engine decodes at once")
+    ignore_eos: bool = Field(False, description="decode max_new_tokens for every answer, past end-of-sequence "
+                                                "(benchmarks)")
 
     @field_validator("kv")
     @classmethod
@@ -117,6 +119,8 @@ class DecodeGenerate(Stage):
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
                                pruning=p.pruning)
+        if p.ignore_eos:
+            self.session.stop_ids = set()
         wanted = p.engine == "on" or (p.engine == "auto" and self.session.device.type == "cuda" and p.kv is not None)
         if wanted:
             self.engine_note = engine_unsupported(model, p.kv, p.pruning)

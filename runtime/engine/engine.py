@@ -39,6 +39,8 @@ from docfuse.runtime.kv import KVConfig, TieredCache, as_kv_config, prepare_ques
 from docfuse.runtime.kv.background import DeviceArchive
 from docfuse.runtime.kv.config import resolve_budget
 
+#: The stats of the most recent :meth:`Engine.run` in this process (benchmarks read it through the pipeline).
+LAST_STATS: dict[str, Any] = {}
 #: Batch sizes a step is built (and on CUDA captured) for; the live streams run in the smallest that holds them.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GB = 1 << 30
@@ -301,10 +303,15 @@ class Engine:
                 bound, self._bound_step = key, step
             t0 = time.perf_counter()
             tokens = step.run()[: len(live), 0].tolist()  # waits for the device
-            self.stats["step_s"] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.stats["step_s"] += seconds
             self.stats["steps"] += 1
             self.stats["max_live"] = max(self.stats["max_live"], len(live))
-            self.stats["buckets"][size] = self.stats["buckets"].get(size, 0) + 1
+            per = self.stats["buckets"].setdefault(size, {"steps": 0, "seconds": 0.0, "live": 0, "tier_bytes": 0})
+            per["steps"] += 1
+            per["seconds"] += seconds
+            per["live"] += len(live)
+            per["tier_bytes"] += sum(self._tier_bytes(st) for st in live)
             done = []
             for st, token in zip(live, tokens):
                 st.steps += 1
@@ -322,7 +329,15 @@ class Engine:
                 if out.error is None:
                     out.peak_memory_bytes = peak
         self.stats["wall_s"] = time.perf_counter() - started
+        self.stats["tokens"] = sum(len(o.tokens) for d in outputs for o in d)
+        LAST_STATS.clear()
+        LAST_STATS.update(self.stats)
         return outputs
+
+    def _tier_bytes(self, st: _Stream) -> int:
+        """Device bytes one step reads for a stream: its core (with the answer so far) and association tokens."""
+        s = self.shape
+        return ((st.core + 1) * s.core_page_bytes + st.pages.n_assoc * s.assoc_page_bytes) // s.page
 
     _bound_step: BatchStep | None = None
 

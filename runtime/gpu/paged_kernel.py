@@ -43,6 +43,7 @@ if HAS_TRITON:
         M_OUT, L_OUT, ACC_OUT, n_split, hkv, qk_scale,
         GQ: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
         KGROUP: tl.constexpr, VGROUP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr,
+        PRECISE: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -80,7 +81,10 @@ if HAS_TRITON:
             k_z = tl.load(AKZ + ks_off).to(tl.float32)
             k3 = tl.reshape(kq, (PAGE // KGROUP, KGROUP, D)) * k_s[:, None, :] + k_z[:, None, :]
             k = tl.reshape(k3, (PAGE, D)).to(DOT)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            if PRECISE:  # a float32 model: float32 products, as the CPU path computes them
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(t_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -99,7 +103,10 @@ if HAS_TRITON:
             v_z = tl.load(AVZ + vs_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
             v3 = tl.reshape(vq, (PAGE, D // VGROUP, VGROUP)) * v_s[:, :, None] + v_z[:, :, None]
             v = tl.reshape(v3, (PAGE, D)).to(DOT)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
+            if PRECISE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
             m_i = m_new
 
         # ---- core pages: exact ----
@@ -113,7 +120,10 @@ if HAS_TRITON:
             t_ok = (t < n_c) & (pi < pages_c)
             off = (page * PAGE + n)[:, None] * s_ct + h * s_ch + d[None, :]
             k = tl.load(KC + off, mask=t_ok[:, None], other=0.0).to(DOT)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            if PRECISE:  # a float32 model: float32 products, as the CPU path computes them
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(t_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -121,7 +131,10 @@ if HAS_TRITON:
             p = tl.exp2(s - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(VC + off, mask=t_ok[:, None], other=0.0).to(DOT)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
+            if PRECISE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
             m_i = m_new
 
         row = (b * hkv * GQ + h * GQ + g) * n_split + pid_s
@@ -157,6 +170,7 @@ def paged_decode_attention(q: torch.Tensor, pool, layer: int, core_table: torch.
     l = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, dim, dtype=torch.float32, device=q.device)
     q = q.contiguous()
+    precise = q.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1"
     _paged_kernel[(b * hkv, splits)](
         q, q.stride(0), q.stride(1),
         kc, vc, kc.stride(0), kc.stride(1), core_table, core_table.stride(0), n_core,
@@ -165,7 +179,8 @@ def paged_decode_attention(q: torch.Tensor, pool, layer: int, core_table: torch.
         assoc_table, assoc_table.stride(0), n_assoc,
         m, l, acc, splits, hkv, scale * LOG2E,
         GQ=gq, BLOCK_G=max(16, triton.next_power_of_2(gq)), PAGE=s.page, D=dim,
-        KGROUP=s.group, VGROUP=s.vgroup, KBITS=s.key_bits, VBITS=s.value_bits, DOT=_dot_dtype(),
+        KGROUP=s.group, VGROUP=s.vgroup, KBITS=s.key_bits, VBITS=s.value_bits,
+        DOT=tl.float32 if precise else _dot_dtype(), PRECISE=precise,
         num_warps=8 if s.page >= 128 else 4, num_stages=2,
     )
     return combine_splits(m, l, acc, q.dtype)

@@ -1,0 +1,250 @@
+"""The GPU engine through the pipeline: text_qa over many long documents, engine vs kv: null, on one card.
+
+A Llama-3.1-8B-shaped model with random bf16 weights (speed does not depend on their values) and the embedded
+model's tokenizer, as a local model folder. Documents are plain-text files of synthetic prose, generated here; every
+answer decodes ``--new-tokens`` tokens (``ignore_eos``). Everything runs through ``Pipeline.from_yaml("text_qa")``
+with ``--set``-style overrides, as a user runs it.
+
+Workloads (each resumable: a finished one is kept in the JSON and skipped unless ``--force``):
+
+* ``review_32k``: ``--docs`` documents of 32K tokens, 8 questions each; the engine with tiers (``kv`` below), then the
+  same pipeline with ``kv: null`` (today's product path, one question at a time) on ``--null-docs`` of them.
+* ``batch1_32k``: one 32K document, one question: engine TTFT and decode against ``kv: null``'s.
+* ``long_128k``: ``--long-docs`` documents of 128K tokens, 2 questions each, through the engine.
+
+Per workload: wall time, documents per minute, aggregate decode tokens/s, TTFT (median, worst), peak device memory,
+and the engine's step time against the bandwidth floor (weights once a step plus every live stream's tiers).
+
+Run on the GPU machine:  python bench/bench_gpu_pipeline.py --out $OUT/gpu_pipeline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KV = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "association_key_bits": 4,
+      "prefill": "tokens"}
+QUESTIONS = ["Who signed the agreement?", "What is the termination notice period?", "Which law governs the contract?",
+             "What fee is due each quarter?", "Where are disputes settled?", "When does the term end?",
+             "What does the indemnity cover?", "Who owns the work product?"]
+WORDS = ("the party agreement shall notice term fee service provider customer clause section payment invoice period "
+         "law court dispute liability indemnity warranty confidential information data security audit report "
+         "schedule annex amendment signature effective date renewal termination breach remedy damages cap").split()
+GB = 1e9
+
+
+def model_folder(path: Path, tokenizer_dir: Path, save_weights: bool):
+    """The 8B-shaped model on the GPU, and its folder (config, tokenizer; weights with ``save_weights``).
+
+    The model object is handed to the pipeline's model cache (``stages.models``) under the folder's name, so the
+    stage's ``setup`` finds it without reading 16 GB back from disk."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from docfuse.stages import models
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                         max_position_embeddings=131072 + 1024, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
+    if save_weights:
+        model.save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    models._MODELS[(str(path), "bfloat16", "cuda")] = (model, tokenizer)
+    return model, tokenizer
+
+
+def write_documents(folder: Path, count: int, tokens: int, tokenizer, seed: int) -> list[Path]:
+    """``count`` text files of about ``tokens`` tokens of synthetic contract prose each."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    probe = " ".join(rng.choice(WORDS) for _ in range(2000)) + "."
+    per_word = len(tokenizer(probe)["input_ids"]) / 2000
+    words = int(tokens / per_word * 0.97)
+    paths = []
+    for i in range(count):
+        path = folder / f"doc{tokens // 1024}k_{i:03d}.txt"
+        if not path.exists():
+            sentences, n = [], 0
+            while n < words:
+                k = rng.randint(8, 20)
+                sentences.append(" ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + ".")
+                n += k
+            path.write_text(f"Agreement {i}\n\n" + " ".join(sentences))
+        paths.append(path)
+    return paths
+
+
+def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, new_tokens: int, engine: str,
+                 max_streams: int) -> dict:
+    from docfuse.pipelines import Pipeline
+    from docfuse.runtime.engine import engine as engine_module
+
+    pipeline = Pipeline.from_yaml("text_qa")
+    for key, value in {"answer.model": str(model_dir), "answer.dtype": "bfloat16", "answer.device": "cuda",
+                       "answer.kv": kv, "answer.max_new_tokens": new_tokens, "answer.prefill_chunk": 8192,
+                       "answer.engine": engine, "answer.max_streams": max_streams, "answer.ignore_eos": True,
+                       "params.questions": questions}.items():
+        pipeline.set(key, value)
+    engine_module.LAST_STATS.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    report = pipeline.run([str(p) for p in paths], batch_docs=len(paths))
+    wall = time.perf_counter() - t0
+    rows = report.tables["answer"].to_pylist()
+    ok = [r for r in rows if r["error"] is None]
+    ttft = [r["ttft_s"] for r in ok]
+    out = {"wall_s": wall, "documents": len(paths), "docs_per_min": len(paths) / wall * 60,
+           "rows_total": len(rows), "rows_answered": len(ok),
+           "errors": sorted({r["error"][:200] for r in rows if r["error"]}),
+           "ttft_median_s": statistics.median(ttft) if ttft else None, "ttft_worst_s": max(ttft) if ttft else None,
+           "per_stream_decode_tok_s_median": statistics.median(r["decode_tokens_per_s"] for r in ok) if ok else None,
+           "peak_device_gb": torch.cuda.max_memory_allocated() / GB,
+           "kv_device_bytes_median": statistics.median(r["kv_device_bytes"] for r in ok) if ok else None,
+           "kv_full_bytes_median": statistics.median(r["kv_full_bytes"] for r in ok) if ok else None}
+    stats = dict(engine_module.LAST_STATS)
+    if stats:
+        out["engine"] = {k: v for k, v in stats.items() if k != "buckets"}
+        out["engine"]["buckets"] = {str(k): v for k, v in stats["buckets"].items()}
+        out["aggregate_decode_tok_s"] = stats["tokens"] / stats["step_s"] if stats["step_s"] else None
+        out["max_live_streams"] = stats["max_live"]
+    return out
+
+
+def floor_fraction(result: dict, weights_read: int, bandwidth: float) -> dict:
+    """Per bucket: mean step time against (weights + the live streams' tiers) / copy bandwidth."""
+    rows = {}
+    for size, b in result.get("engine", {}).get("buckets", {}).items():
+        if not b["steps"]:
+            continue
+        step = b["seconds"] / b["steps"]
+        floor = (weights_read + b["tier_bytes"] / b["steps"]) / bandwidth
+        rows[size] = {"step_ms": step * 1e3, "floor_ms": floor * 1e3, "fraction_of_floor": floor / step,
+                      "mean_live": b["live"] / b["steps"], "steps": b["steps"]}
+    return rows
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["review_32k", "batch1_32k", "long_128k"])
+    parser.add_argument("--docs", type=int, default=32)
+    parser.add_argument("--null-docs", type=int, default=2, help="documents the kv: null baseline runs (it is slow)")
+    parser.add_argument("--long-docs", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-streams", type=int, default=64)
+    parser.add_argument("--work", type=Path, default=Path.home() / "docfuse-bench")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="folder with the tokenizer files (default: "
+                        "the embedded model's converted folder)")
+    parser.add_argument("--save-weights", action="store_true", help="write the 16 GB of random weights too")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_pipeline.json")
+    parser.add_argument("--force", action="store_true", help="rerun workloads already in --out")
+    args = parser.parse_args(argv)
+    from docfuse.runtime.loading import default_model_dir
+
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}
+    result.update({"card": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
+                   "model": "Llama-3.1-8B shape, random bf16 weights, SmolLM2 tokenizer", "kv": KV,
+                   "new_tokens": args.new_tokens, "command": "python bench/bench_gpu_pipeline.py " +
+                   " ".join(argv or [])})
+    result.setdefault("workloads", {})
+    bandwidth = copy_bandwidth()
+    model_dir = args.work / "llama8b-random"
+    model, tokenizer = model_folder(model_dir, args.tokenizer or default_model_dir(), args.save_weights)
+    weights_read = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    result.update({"copy_bandwidth_tb_s": bandwidth / 1e12, "weights_read_gb": weights_read / GB})
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+
+    warm = write_documents(args.work / "docs", 2, 2048, tokenizer, seed=0)
+    run_pipeline(model_dir, warm, QUESTIONS[:2], KV, 4, "on", args.max_streams)  # compile, capture, allocate
+    for name in args.workloads:
+        if name in result["workloads"] and not args.force:
+            print(f"{name}: kept from {args.out}", flush=True)
+            continue
+        if name == "review_32k":
+            paths = write_documents(args.work / "docs", args.docs, 32768, tokenizer, seed=1)
+            engine = run_pipeline(model_dir, paths, QUESTIONS, KV, args.new_tokens, "on", args.max_streams)
+            print(f"review_32k engine: {json.dumps({k: v for k, v in engine.items() if k != 'engine'})}", flush=True)
+            null = run_pipeline(model_dir, paths[: args.null_docs], QUESTIONS, None, args.new_tokens, "off", 1)
+            print(f"review_32k kv null: {json.dumps(null)}", flush=True)
+            result["workloads"][name] = {
+                "docs_per_min": engine["docs_per_min"], "docs_per_min_kv_null": null["docs_per_min"],
+                "speedup_docs_per_min": engine["docs_per_min"] / null["docs_per_min"],
+                "aggregate_decode_tok_s": engine.get("aggregate_decode_tok_s"),
+                "max_live_streams": engine.get("max_live_streams"), "step_vs_floor": floor_fraction(
+                    engine, weights_read, bandwidth), "engine": engine, "kv_null": null}
+        elif name == "batch1_32k":
+            paths = write_documents(args.work / "docs", 1, 32768, tokenizer, seed=2)
+            engine = run_pipeline(model_dir, paths, QUESTIONS[:1], KV, args.new_tokens, "on", args.max_streams)
+            null = run_pipeline(model_dir, paths, QUESTIONS[:1], None, args.new_tokens, "off", 1)
+            result["workloads"][name] = {"ttft_s": engine["ttft_median_s"], "ttft_dynamic_s": null["ttft_median_s"],
+                                         "decode_tok_s": engine["per_stream_decode_tok_s_median"],
+                                         "decode_tok_s_dynamic": null["per_stream_decode_tok_s_median"],
+                                         "step_vs_floor": floor_fraction(engine, weights_read, bandwidth),
+                                         "engine": engine, "kv_null": null}
+            result["batch1_32k"] = {k: result["workloads"][name][k] for k in ("ttft_s", "ttft_dynamic_s")}
+        elif name == "long_128k":
+            paths = write_documents(args.work / "docs", args.long_docs, 131072 - 2048, tokenizer, seed=3)
+            engine = run_pipeline(model_dir, paths, QUESTIONS[:2], KV, args.new_tokens, "on", args.max_streams)
+            result["workloads"][name] = {"live_documents": engine.get("max_live_streams"),
+                                         "rows_answered": engine["rows_answered"], "rows_total": engine["rows_total"],
+                                         "step_vs_floor": floor_fraction(engine, weights_read, bandwidth),
+                                         "engine": engine}
+        else:
+            raise SystemExit(f"unknown workload {name!r}; choose from review_32k, batch1_32k, long_128k")
+        print(f"{name}: {json.dumps({k: v for k, v in result['workloads'][name].items() if k not in ('engine', 'kv_null')})}",
+              flush=True)
+        fractions = [r["fraction_of_floor"] for w in result["workloads"].values()
+                     for r in w.get("step_vs_floor", {}).values() if r["steps"] >= 8]
+        result["step_fraction_of_floor"] = max(fractions) if fractions else None
+        save()
+    save()
+
+
+if __name__ == "__main__":
+    main()
