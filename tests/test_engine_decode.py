@@ -131,7 +131,9 @@ def test_the_paged_kernel_matches_the_reference_under_the_triton_interpreter() -
         "import torch\n"
         "from tests.test_engine_decode import kernel_vs_reference\n"
         "print(kernel_vs_reference())\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    # the repository goes last: an installed docfuse (editable here, a target folder on a lent GPU) must win
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -196,8 +196,8 @@ class Engine:
             cache += full
         chunk = min(tokens, self.prefill_chunk)
         inter = int(getattr(config, "intermediate_size", 4 * hidden))
-        activations = chunk * (3 * inter + 6 * hidden) * 4 + chunk * tokens * 4 * int(config.num_attention_heads) \
-            + int(config.vocab_size) * 4 * 2
+        # SDPA's fused kernels never hold the chunk x document scores; the MLP's and projections' rows do count
+        activations = chunk * (3 * inter + 6 * hidden) * 4 + int(config.vocab_size) * 4 * 2
         return int(1.2 * (cache + activations)) + (256 << 20)
 
     def _full_bytes(self, tokens: int) -> int:
@@ -225,7 +225,9 @@ class Engine:
         if nbytes is None:
             if self.device.type == "cuda":
                 longest = max((len(d.prefix) for d in docs), default=0)
-                free = torch.cuda.mem_get_info(self.device)[0]
+                # what the driver has free plus what torch's allocator holds cached but unused (an earlier pool)
+                free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
+                    - torch.cuda.memory_allocated(self.device)
                 logits = max(self.buckets) * int(self.model.config.vocab_size) * 4 * 4
                 nbytes = int((free - self.prefill_reserve(longest) - logits) * self.memory_fraction)
             else:
@@ -314,6 +316,8 @@ class Engine:
             per["tier_bytes"] += sum(self._tier_bytes(st) for st in live)
             done = []
             for st, token in zip(live, tokens):
+                if not st.steps:  # its decode starts with its first step, not when it was admitted
+                    st.decode_started = t0
                 st.steps += 1
                 st.core += 1
                 st.position += 1
@@ -393,7 +397,6 @@ class Engine:
         live = self._take(stream, token, first=True)
         if live:
             stream.pages = self.pool.load(cache, doc.max_new_tokens)
-            stream.decode_started = time.perf_counter()
         cache.rollback(opened.prefix)
         return stream if live else None
 
