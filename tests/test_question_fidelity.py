@@ -163,3 +163,37 @@ def test_the_question_pass_re_tiers_each_layer_from_its_own_read() -> None:
                                        forward(model, after, torch.tensor(tokens)), rtol=1e-5, atol=1e-5)
         inside.rollback(prefix)
         after.rollback(prefix)
+
+
+@pytest.mark.parametrize("prefill", ["tokens", "layers"])
+def test_the_device_re_tier_chooses_the_tiers_the_general_path_chooses(monkeypatch, prefill) -> None:
+    """With every exact key at hand, the re-tier runs where the keys are (runtime.kv.layer.ALL_ON_DEVICE); the tiers,
+    codes and answers must be those of the general path, bit for bit."""
+    from docfuse.runtime.kv import layer as layer_module
+
+    model = tiny()
+    document = ids(650, 3)
+    kv = {**KV, "association_bits": 4, "association_key_bits": 8, "vote_sharing": 0.25}
+
+    def run(on_device: bool):
+        monkeypatch.setattr(layer_module, "ALL_ON_DEVICE", on_device)
+        if prefill == "tokens":
+            cache = token_major(model, document, kv)
+        else:
+            cache = TieredCache(model.config, kv)
+            layer_major_prefill(model, cache, document, chunk=256)
+        out = []
+        for seed in (5, 6):
+            first, tokens = answer(model, cache, ids(11, seed), steps=4)
+            read_question(model, cache, ids(9, seed + 10))  # leave this one's tiers in place to compare
+            layers = [(l.core_pos[:, :, : l.n_core].clone(), l.assoc_pos.clone(), l.keys[:, :, : l.n_core].clone(),
+                       l.assoc.keys.codes.clone(), l.assoc.values.codes.clone()) for l in cache.layers]
+            cache.rollback(650)
+            out.append((first, tokens, layers))
+        return out
+
+    fast, general = run(True), run(False)
+    for (f_first, f_tokens, f_layers), (g_first, g_tokens, g_layers) in zip(fast, general):
+        assert torch.equal(f_first, g_first) and f_tokens == g_tokens
+        for a, b in zip(f_layers, g_layers):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))

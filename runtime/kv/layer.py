@@ -27,6 +27,9 @@ from docfuse.runtime.kv.summaries import group_queries, page_minmax, page_scores
 from docfuse.runtime.kv.votes import nominate, token_votes
 
 ARCHIVE_BLOCK = 256
+#: Re-tier on the device when every exact key is at hand (``_vote_priority_all``, ``_rebuild_from_all``); False takes
+#: the general path (tests compare the two).
+ALL_ON_DEVICE = True
 
 
 def _expand(index: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
@@ -336,6 +339,8 @@ class TieredLayer(CacheLayerMixin):
         blocks are read, and every exact key read is used). Tokens with no vote are ordered by their page score below
         every voted token, so the summaries still decide among them.
         """
+        if ALL_ON_DEVICE and self._all is not None and candidates >= self.length:
+            return self._vote_priority_all(queries, kv_heads, page_ids, reduce)
         b, h = self.core_pos.shape[:2]
         tier = self.membership()
         grouped = self._grouped(queries, kv_heads)
@@ -369,6 +374,25 @@ class TieredLayer(CacheLayerMixin):
         fallback = -2.0 + rank / max(1, self.length)
         return torch.where(votes > 0, votes, fallback)
 
+    def _vote_priority_all(self, queries: torch.Tensor | None, kv_heads: int, page_ids: torch.Tensor,
+                           reduce: str) -> torch.Tensor:
+        """``vote_priority`` when every position's exact key is at hand (``reading_all``/``serving``) and every
+        token is a candidate: the same priority, computed where the keys are, with no host round trip (on a GPU the
+        re-tier of a layer was ~15 ms of transfers and synchronisations, bench/RESULTS.md issue 23)."""
+        b, h = self.core_pos.shape[:2]
+        full_k = self._all[0]
+        grouped = self._grouped(queries, kv_heads)
+        page_score = page_scores(grouped, self.kmin, self.kmax, reduce)
+        page_score = page_score.gather(2, page_ids.to(page_score.device).expand(b, h, -1)).double()
+        visible = torch.ones(b, h, 1, dtype=torch.bool, device=full_k.device)
+        votes = token_votes(grouped, full_k, visible, kernel=self.kv.vote_pool)
+        if self.kv.vote_sharing:
+            votes = votes + self.kv.vote_sharing * votes.amax(dim=1, keepdim=True)
+        votes = votes.double()
+        rank = torch.argsort(torch.argsort(page_score, dim=-1, stable=True), dim=-1, stable=True).double()
+        fallback = -2.0 + rank / max(1, self.length)
+        return torch.where(votes > 0, votes.to(fallback.device), fallback)
+
     def _grouped(self, queries: torch.Tensor | None, kv_heads: int) -> torch.Tensor:
         """Queries grouped per KV head [B, H, M, D]; without recorded queries the newest core keys stand in."""
         if queries is None:
@@ -384,6 +408,9 @@ class TieredLayer(CacheLayerMixin):
         token is ever dropped.
         """
         self._archive_all()
+        if ALL_ON_DEVICE and self._all is not None and not self.kv.differential:
+            self._rebuild_from_all(priority, core, assoc)
+            return
         order = torch.sort(-priority.to(self.device), dim=-1, stable=True).indices.cpu()
         core_idx = order[..., :core].sort(dim=-1).values
         assoc_idx = order[..., core: core + assoc].sort(dim=-1).values
@@ -399,6 +426,24 @@ class TieredLayer(CacheLayerMixin):
             self.assoc = AssociationStore.build(full_k.gather(2, ai), full_v.gather(2, ai), self.kv.association_bits,
                                                 self.kv.group_tokens, pages, self.kv.association_key_bits)
             self.assoc_pos = assoc_idx
+        else:
+            self.assoc, self.assoc_pos = None, None
+
+    def _rebuild_from_all(self, priority: torch.Tensor, core: int, assoc: int) -> None:
+        """``rebuild`` from the exact K/V at hand: the same tiers, ordered and gathered on the device; only the
+        chosen positions come back to the host."""
+        order = torch.sort(-priority.to(self.device), dim=-1, stable=True).indices
+        core_idx = order[..., :core].sort(dim=-1).values
+        assoc_idx = order[..., core: core + assoc].sort(dim=-1).values
+        full_k, full_v = self._all
+        d = full_k.shape[-1]
+        ci = core_idx.unsqueeze(-1).expand(-1, -1, -1, d)
+        self._set_core(full_k.gather(2, ci), full_v.gather(2, ci), core_idx.cpu())
+        if assoc:
+            ai = assoc_idx.unsqueeze(-1).expand(-1, -1, -1, d)
+            self.assoc = AssociationStore.build(full_k.gather(2, ai), full_v.gather(2, ai), self.kv.association_bits,
+                                                self.kv.group_tokens, None, self.kv.association_key_bits)
+            self.assoc_pos = assoc_idx.cpu()
         else:
             self.assoc, self.assoc_pos = None, None
 

@@ -183,7 +183,7 @@ class TieredCache(Cache):
             else:
                 page_score = layer.scores(queries, self.kv_heads, SCORE_REDUCE).cpu()
                 priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
-            priority[:, :, forced] = float("inf")
+            priority[:, :, forced.to(priority.device)] = float("inf")
             layer.rebuild(priority, core, assoc, page_ids)
 
     def start_decode(self) -> None:
