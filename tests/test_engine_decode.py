@@ -189,3 +189,41 @@ def kernel_vs_reference() -> float:
         worst = max(worst, float((out - ref).norm() / ref.norm()))
         del kv
     return worst
+
+
+def test_the_pool_is_no_larger_than_every_stream_at_once_needs() -> None:
+    model = tiny(seed=3)
+    docs = [Document(ids(300, 1), [ids(9, 11)], max_new_tokens=12)]
+    engine = Engine(model, KV, set())
+    engine.pool_bytes = 1 << 30
+    engine.run(docs)
+    shape = engine.shape
+    need = engine.stream_pages(300, 9, 12)
+    assert engine.pool.nbytes() <= (need[0] + 4) * shape.core_page_bytes + (need[1] + 4) * shape.assoc_page_bytes
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_llama_family_models_answer_as_alone(family) -> None:
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Mistral run the engine's written-out step as they run alone."""
+    import transformers
+
+    common = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=96, vocab_size=256, max_position_embeddings=4096)
+    torch.manual_seed(7)
+    if family == "qwen2":
+        config = transformers.Qwen2Config(**common, use_sliding_window=False)
+        model = transformers.Qwen2ForCausalLM(config)
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=16, use_sliding_window=False)
+        model = transformers.Qwen3ForCausalLM(config)
+    else:
+        config = transformers.MistralConfig(**common, sliding_window=None)
+        model = transformers.MistralForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    model.eval()
+    docs = [Document(ids(260, 1), [ids(9, 11), ids(6, 12)], max_new_tokens=8),
+            Document(ids(130, 2), [ids(7, 21)], max_new_tokens=10)]
+    expected = [[alone(model, KV, list(d.prefix), list(q), d.max_new_tokens, set()) for q in d.questions]
+                for d in docs]
+    got = Engine(model, KV, set(), archive="device").run(docs)
+    assert [[o.tokens for o in d] for d in got] == expected

@@ -232,6 +232,14 @@ class Engine:
                 nbytes = int((free - self.prefill_reserve(longest) - logits) * self.memory_fraction)
             else:
                 nbytes = GB
+        # never more than every stream at once needs (plus a page of each tier for rounding): a small batch keeps
+        # the rest of the card free
+        cap = max(self.buckets) if docs else 1
+        need_all = sorted((c * s.core_page_bytes + a * s.assoc_page_bytes
+                           for d in docs for c, a in [self.stream_pages(len(d.prefix), max(
+                               (len(q) for q in d.questions), default=0), d.max_new_tokens)] for _ in d.questions),
+                          reverse=True)[:cap]
+        nbytes = min(nbytes, sum(need_all) + 2 * (s.core_page_bytes + s.assoc_page_bytes))
         nbytes = max(nbytes, s.core_page_bytes + s.assoc_page_bytes)
         return PagePool.sized(s, nbytes, share, self.device)
 
