@@ -227,3 +227,17 @@ def test_other_llama_family_models_answer_as_alone(family) -> None:
                 for d in docs]
     got = Engine(model, KV, set(), archive="device").run(docs)
     assert [[o.tokens for o in d] for d in got] == expected
+
+
+def test_a_fused_document_prefills_from_its_embedding_rows() -> None:
+    """A document given as embedding rows (fusion.gate's stream) answers as the same ids do when the rows are the
+    model's own embeddings, and differently when they are not."""
+    model = tiny(seed=3)
+    prefix = ids(240, 9)
+    with torch.inference_mode():
+        rows = model.get_input_embeddings()(torch.tensor(prefix))
+    plain = Engine(model, KV, set()).run([Document(prefix, [ids(8, 91)], max_new_tokens=8)])
+    fused = Engine(model, KV, set()).run([Document(prefix, [ids(8, 91)], max_new_tokens=8, embeds=rows)])
+    assert fused[0][0].tokens == plain[0][0].tokens
+    other = Engine(model, KV, set()).run([Document(prefix, [ids(8, 91)], max_new_tokens=8, embeds=rows * 3.0)])
+    assert other[0][0].tokens != plain[0][0].tokens
