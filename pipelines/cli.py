@@ -33,7 +33,24 @@ from docfuse.pipelines.spec import builtin_pipelines
 from docfuse.pipelines.validate import PipelineInvalid, check
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="docfuse: declarative pipelines that turn "
-                  "long documents into answers.")
+                  "long documents into answers.", context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"docfuse {version('docfuse')}")
+        except PackageNotFoundError:  # a source tree without the package installed
+            print("docfuse (not installed: run `make setup`)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print docfuse's version and exit.")] = False) -> None:
+    """docfuse: declarative pipelines that turn long documents into answers."""
 DEFAULT_CACHE = ".docfuse-cache"
 
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override STAGE.KEY=VALUE (VALUE is YAML; "
@@ -70,8 +87,12 @@ def _report_problems(problems: list[str]) -> None:
 @app.command()
 def run(
     pipeline: Annotated[str, typer.Argument(help="A built-in pipeline name (pdf_extract, pdf_qa, ...) or a YAML file.")],
-    input: Annotated[list[str], typer.Option("--input", "-i", help="Files, folders, globs, Parquet/Arrow datasets.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Parquet file to write (a folder for several outputs).")],
+    more: Annotated[Optional[list[str]], typer.Argument(
+        help="More inputs: a shell glob after -i (-i docs/*.pdf) expands to several paths, and the rest land here.",
+        show_default=False)] = None,
+    input: Annotated[Optional[list[str]], typer.Option("--input", "-i", help="Files, folders, globs, Parquet/Arrow "
+                                                       "datasets; repeatable, and paths after it count too.")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Parquet file to write (a folder for several outputs).")] = ...,
     set_: SetOpt = None,
     engine: Annotated[str, typer.Option(help="Executor: local, or ray (pip install 'docfuse\\[ray]').")] = "local",
     batch_docs: Annotated[int, typer.Option(min=1, help="Documents per batch: bounds memory.")] = 8,
@@ -82,8 +103,11 @@ def run(
                                                    "without it a local Ray starts, sized to this machine.")] = None,
 ) -> None:
     """Run a pipeline over documents and write its output as Parquet."""
+    inputs = [*(input or []), *(more or [])]
+    if not inputs:
+        fail("no input documents: pass --input/-i PATH (files, folders, globs or datasets), e.g. -i docs/*.pdf")
     pipe = load_pipeline(pipeline, set_)
-    report = _execute(pipe, input, output, engine, batch_docs, None if no_cache else cache_dir, column, address)
+    report = _execute(pipe, inputs, output, engine, batch_docs, None if no_cache else cache_dir, column, address)
     err.print(f"{report.rows} row(s) from {report.documents} document(s) in {report.seconds:.1f} s"
               f"{f', {report.batches_from_cache} batch(es) from cache' if report.batches_from_cache else ''}"
               f" -> {', '.join(str(p) for p in report.outputs.values())}", highlight=False)

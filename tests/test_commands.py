@@ -114,3 +114,36 @@ def test_both_ways_into_fusion_load_the_decoder_through_runtimes_one_loader(monk
     with pytest.raises(Loaded):
         run.main(["train", "--out", "x.safetensors", "--synthetic", "0"])
     assert calls[-1] == ("loader", ("default",), {})
+
+
+def test_run_takes_the_paths_a_shell_glob_expands_after_one_i(tmp_path) -> None:
+    """``docfuse run pdf_extract -i docs/*.pdf`` reaches the command as ``-i a.pdf b.pdf``: both are inputs."""
+    from typer.testing import CliRunner
+
+    import pyarrow.parquet as pq
+
+    from docfuse.pipelines.cli import app
+    from tests import pdf_fixtures as fx
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = fx.write_born_digital(tmp_path / "a", n_pages=1)
+    b = fx.write_born_digital(tmp_path / "b", n_pages=2)
+    out = tmp_path / "pages.parquet"
+    res = CliRunner().invoke(app, ["run", "pdf_extract", "-i", str(a), str(b), "-o", str(out), "--no-cache"])
+    assert res.exit_code == 0, res.output
+    assert sorted(set(pq.read_table(out).column("source").to_pylist())) == sorted([str(a), str(b)])
+    missing = CliRunner().invoke(app, ["run", "pdf_extract", "-o", str(out)])
+    assert missing.exit_code == 2 and "--input/-i" in missing.output
+
+
+def test_version_and_short_help() -> None:
+    from typer.testing import CliRunner
+
+    from docfuse.pipelines.cli import app
+
+    version = CliRunner().invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.output.startswith("docfuse ")
+    for args in (["-h"], ["run", "-h"], ["ask", "-h"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0 and "Usage" in res.output, args
