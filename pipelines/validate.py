@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,6 +75,7 @@ def check(pipeline: PipelineSpec) -> Checked:
             if stage is not None:
                 instances[name] = stage
 
+    problems.extend(_unread_params(pipeline, instances))
     for cycle in nx.simple_cycles(graph):
         members = " -> ".join([*cycle, cycle[0]])
         problems.append(f"cycle between stages {members}: a stage cannot depend on its own output; remove one 'from'")
@@ -106,6 +109,25 @@ def check(pipeline: PipelineSpec) -> Checked:
     if pipeline.stages and not pipeline.outputs:
         problems.append("no outputs: list the stage(s) whose tables to write, e.g. outputs: [answer]")
     return Checked(graph=graph, instances=instances, problems=problems)
+
+
+def _unread_params(pipeline: PipelineSpec, instances: dict[str, Stage]) -> list[str]:
+    """Pipeline ``params`` that no stage reads: a typo (``qestion``) would otherwise pass and the default be used.
+
+    Checked once every stage is known and some stage reads params (a pipeline whose stages read none may carry any).
+    """
+    if len(instances) != len(pipeline.stages):
+        return []
+    read = sorted({key for stage in instances.values() for key in stage.reads_params})
+    if not read:
+        return []
+    out = []
+    for key in pipeline.params:
+        if key not in read:
+            close = difflib.get_close_matches(key, read, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            out.append(f"params.{key}: no stage of this pipeline reads it; {hint}the stages read: {', '.join(read)}")
+    return out
 
 
 def validate(pipeline: PipelineSpec) -> list[str]:

@@ -279,3 +279,15 @@ def test_cli_exit_codes_and_validate(tmp_path):
                            capture_output=True, text=True)
     assert usage.returncode == 2 and "no stage named 'nostage'" in usage.stderr
     assert os.path.exists(tmp_path / "o.parquet")
+
+
+def test_a_pipeline_parameter_no_stage_reads_is_a_problem_with_a_suggestion():
+    qa = Pipeline.from_yaml("pdf_qa")
+    qa.set("params.qestion", "What is the fee?")
+    problems = validate(qa)
+    assert len(problems) == 1 and problems[0].startswith("params.qestion: no stage of this pipeline reads it")
+    assert "did you mean 'question'?" in problems[0] and "questions" in problems[0]
+    qa.params.pop("qestion")
+    assert validate(qa) == []
+    toy = Pipeline.from_yaml(TOY_YAML)  # no stage reads params: a pipeline may carry any
+    assert validate(toy) == []
