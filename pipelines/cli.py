@@ -199,6 +199,10 @@ def ask(
             err.print(f"[bold red]{row['error']}[/]", highlight=False)
         else:
             typer.echo(row.get("answer", ""))
+            if row.get("truncated"):
+                used = row.get("pages_used")
+                where = f"pages {', '.join(str(p + 1) for p in used)}" if used else "its beginning"
+                err.print(f"[yellow]the document is longer than the context: read {where} only[/]", highlight=False)
             err.print(f"[dim]{row.get('prompt_tokens')} prompt tokens, time to first token {row.get('ttft_s', 0):.1f} s, "
                       f"{row.get('decode_tokens_per_s', 0):.1f} tokens/s[/]", highlight=False)
     raise typer.Exit(report.exit_code)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
@@ -26,9 +27,10 @@ class DecodeParams(StageParams):
     prompt: str = Field("{question}", description="template of the question text; {question} is replaced")
     max_new_tokens: int = Field(128, gt=0, description="most answer tokens per question")
     prefill_chunk: int = Field(512, gt=0, description="document tokens per prefill forward pass")
-    truncate: Literal["none", "head", "head_tail"] = Field(
+    truncate: Literal["none", "head", "head_tail", "retrieve"] = Field(
         "none", description="a document longer than the context: none = error row, head = keep its beginning, "
-                            "head_tail = keep beginning and end")
+                            "head_tail = keep beginning and end, retrieve = each question reads the pages that "
+                            "match it best (BM25) and their neighbours (the built-in QA pipelines' default)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
@@ -94,7 +96,7 @@ class DecodeGenerate(Stage):
     """Answer the pipeline's question(s) about each document from its page text, one prefill per document."""
 
     kind = "decode.generate"
-    version = "1"
+    version = "2"
     Params = DecodeParams
     inputs: ClassVar[dict[str, pa.Schema]] = {
         "pages": pa.schema([schemas.PAGE_TEXT.field(name) for name in PAGE_COLUMNS]),
@@ -177,17 +179,41 @@ class DecodeGenerate(Stage):
             rows.extend(self._answer_document(doc_id, doc["source"], doc["pages"], questions, fused.get(doc_id)))
         return pa.Table.from_pylist(rows, schema=self.output_schema)
 
-    def _prefix(self, pages: list[tuple[int, str]], prompts: list[str], fused: list[tuple[int, Any]] | None
-                ) -> tuple[list[int], Any]:
-        """The document's prefix ids and, for a fused document, its embedding rows (ContextTooLong if too long)."""
+    def _reads(self, pages: list[tuple[int, str]], questions: list[str], prompts: list[str],
+               fused: list[tuple[int, Any]] | None) -> list[_Read]:
+        """How the document is read: one prefix for every question, or with ``truncate: retrieve`` on a document
+        past the context, one prefix per set of pages the questions chose. Raises ``ContextTooLong`` otherwise."""
+        from docfuse.runtime.page_select import PageIndex
         from docfuse.runtime.prompt import document_text
+        from docfuse.runtime.session import ContextTooLong
 
+        p, session = self.params, self.session
+        everyone = list(range(len(questions)))
         if fused:
-            return self._fused_prefix(fused, prompts)
-        p = self.params
-        prefix = self.session.fit_document(document_text(pages), questions=prompts, max_new_tokens=p.max_new_tokens,
-                                           truncate=p.truncate)
-        return list(prefix.ids), None
+            ids, embeds, cut = self._fused_prefix(fused, prompts)
+            return [_Read(everyone, ids, embeds, None if cut else [page for page, _ in fused], cut)]
+        with_text = [page for page, text in pages if text and text.strip()]
+        try:
+            prefix = session.fit_document(document_text(pages), questions=prompts, max_new_tokens=p.max_new_tokens,
+                                          truncate="none" if p.truncate == "retrieve" else p.truncate)
+            return [_Read(everyone, list(prefix.ids), None, None if prefix.truncated else with_text,
+                          prefix.truncated)]
+        except ContextTooLong:
+            if p.truncate != "retrieve":
+                raise
+        index = PageIndex(pages, lambda text: len(session.prompt.encode(text)))
+        head = len(session.prompt.prefix(""))
+        groups: dict[Any, list[int]] = {}
+        for i, question in enumerate(questions):
+            reserve = len(session.prompt.suffix(prompts[i])) + p.max_new_tokens
+            chosen = index.select(question, session.limit - reserve - head)
+            groups.setdefault(chosen, []).append(i)
+        reads = []
+        for chosen, members in groups.items():
+            prefix = session.fit_document(index.text(chosen), questions=[prompts[i] for i in members],
+                                          max_new_tokens=p.max_new_tokens, truncate="head")
+            reads.append(_Read(members, list(prefix.ids), None, list(chosen.pages), True))
+        return reads
 
     def _answer_together(self, docs: dict[str, dict[str, Any]], questions: list[str],
                          fused: dict[str, list[tuple[int, Any]]]) -> list[dict]:
@@ -199,7 +225,7 @@ class DecodeGenerate(Stage):
         p = self.params
         prompts = [p.prompt.format(question=q) for q in questions]
         suffixes = [list(self.session.prompt.suffix(q)) for q in prompts]
-        ready: list[tuple[str, Any, Any]] = []
+        jobs: list[tuple[str, Any, _Read]] = []
         failed: dict[str, list[dict]] = {}
         for doc_id, doc in docs.items():
             source = doc["source"]
@@ -209,33 +235,33 @@ class DecodeGenerate(Stage):
                                "OCR or the fusion stage (trained) before decode.generate")) for q in questions]
                 continue
             try:
-                ids, embeds = self._prefix(doc["pages"], prompts, fused.get(doc_id))
+                reads = self._reads(doc["pages"], questions, prompts, fused.get(doc_id))
             except ContextTooLong as exc:
-                failed[doc_id] = [_row(doc_id, source, q, error=error_value(
-                    "context_too_long", f"{exc}; set truncate: head (--set answer.truncate=head) or use a model "
-                                        "with a longer context")) for q in questions]
+                failed[doc_id] = [_row(doc_id, source, q, error=error_value("context_too_long", _too_long(exc)))
+                                  for q in questions]
                 continue
-            ready.append((doc_id, source, Document(ids, suffixes, p.max_new_tokens, embeds)))
-        outputs = self.engine.run([d for _, _, d in ready])
-        answered = {doc_id: (source, outs) for (doc_id, source, _), outs in zip(ready, outputs)}
+            jobs.extend((doc_id, source, read) for read in reads)
+        outputs = self.engine.run([Document(read.ids, [suffixes[i] for i in read.questions], p.max_new_tokens,
+                                            read.embeds) for _, _, read in jobs])
+        by_doc: dict[str, dict[int, dict]] = {}
         tokenizer = self.session.tokenizer
-        rows: list[dict] = []
-        for doc_id, doc in docs.items():
-            if doc_id in failed:
-                rows.extend(failed[doc_id])
-                continue
-            source, outs = answered[doc_id]
-            for question, out in zip(questions, outs):
+        for (doc_id, source, read), outs in zip(jobs, outputs):
+            for i, out in zip(read.questions, outs):
                 if out.error:
                     kind, _, message = out.error.partition(": ")
-                    rows.append(_row(doc_id, source, question, error=error_value(kind, message)))
-                    continue
-                rows.append(_row(doc_id, source, question,
-                                 answer=tokenizer.decode(out.tokens, skip_special_tokens=True).strip(),
-                                 prompt_tokens=out.prompt_tokens, ttft_s=out.ttft_s,
-                                 decode_tokens_per_s=out.decode_tokens_per_s, kv_device_bytes=out.kv_device_bytes,
-                                 kv_host_bytes=out.kv_host_bytes, kv_full_bytes=out.kv_full_bytes,
-                                 skipped_fraction=0.0, peak_memory_bytes=out.peak_memory_bytes))
+                    row = _row(doc_id, source, questions[i], error=error_value(kind, message))
+                else:
+                    row = _row(doc_id, source, questions[i],
+                               answer=tokenizer.decode(out.tokens, skip_special_tokens=True).strip(),
+                               prompt_tokens=out.prompt_tokens, ttft_s=out.ttft_s,
+                               decode_tokens_per_s=out.decode_tokens_per_s, kv_device_bytes=out.kv_device_bytes,
+                               kv_host_bytes=out.kv_host_bytes, kv_full_bytes=out.kv_full_bytes,
+                               skipped_fraction=0.0, peak_memory_bytes=out.peak_memory_bytes,
+                               pages_used=read.pages_used, truncated=read.truncated)
+                by_doc.setdefault(doc_id, {})[i] = row
+        rows: list[dict] = []
+        for doc_id in docs:
+            rows.extend(failed[doc_id] if doc_id in failed else [by_doc[doc_id][i] for i in range(len(questions))])
         return rows
 
     def _answer_document(self, doc_id: str, source: str | None, pages: list[tuple[int, str]],
@@ -255,29 +281,26 @@ class DecodeGenerate(Stage):
         p = self.params
         prompts = [p.prompt.format(question=q) for q in questions]
         try:
-            if fused:
-                ids, embeds = self._fused_prefix(fused, prompts)
-                self.session.prefill(ids, chunk_size=p.prefill_chunk, embeds=embeds)
-            else:
-                prefix = self.session.fit_document(text, questions=prompts, max_new_tokens=p.max_new_tokens,
-                                                   truncate=p.truncate)
-                self.session.prefill(prefix, chunk_size=p.prefill_chunk)
+            reads = self._reads(pages, questions, prompts, fused)
         except ContextTooLong as exc:
-            return errors("context_too_long", f"{exc}; set truncate: head (--set answer.truncate=head) "
-                                              "or use a model with a longer context")
-        out = []
-        for question, prompt in zip(questions, prompts):
-            a = self.session.ask(prompt, max_new_tokens=p.max_new_tokens, safe_mode=self.context.get("safe_mode"))
-            out.append(_row(doc_id, source, question, answer=a.text, prompt_tokens=a.prompt_tokens,
-                            ttft_s=a.ttft_s, decode_tokens_per_s=a.decode_tokens_per_s,
-                            kv_device_bytes=a.kv_device_bytes, kv_host_bytes=a.kv_host_bytes,
-                            kv_full_bytes=a.kv_full_bytes, skipped_fraction=a.skipped_fraction,
-                            peak_memory_bytes=a.peak_memory_bytes))
-        return out
+            return errors("context_too_long", _too_long(exc))
+        rows: dict[int, dict] = {}
+        for read in reads:
+            self.session.prefill(read.ids, chunk_size=p.prefill_chunk, embeds=read.embeds)
+            for i in read.questions:
+                a = self.session.ask(prompts[i], max_new_tokens=p.max_new_tokens,
+                                     safe_mode=self.context.get("safe_mode"))
+                rows[i] = _row(doc_id, source, questions[i], answer=a.text, prompt_tokens=a.prompt_tokens,
+                               ttft_s=a.ttft_s, decode_tokens_per_s=a.decode_tokens_per_s,
+                               kv_device_bytes=a.kv_device_bytes, kv_host_bytes=a.kv_host_bytes,
+                               kv_full_bytes=a.kv_full_bytes, skipped_fraction=a.skipped_fraction,
+                               peak_memory_bytes=a.peak_memory_bytes, pages_used=read.pages_used,
+                               truncated=read.truncated)
+        return [rows[i] for i in range(len(questions))]
 
-
-    def _fused_prefix(self, fused: list[tuple[int, Any]], prompts: list[str]) -> tuple[list[int], Any]:
-        """Prompt head + per page (marker, fused rows), pages joined as document_text joins them."""
+    def _fused_prefix(self, fused: list[tuple[int, Any]], prompts: list[str]) -> tuple[list[int], Any, bool]:
+        """Prompt head + per page (marker, fused rows), pages joined as document_text joins them; and whether the
+        stream was cut to fit."""
         import torch
 
         from docfuse.runtime.prompt import page_marker
@@ -296,11 +319,13 @@ class DecodeGenerate(Stage):
                     torch.from_numpy(rows).to(session.device)  # a text-only page: the decoder's own embeddings
                 parts += [embed(torch.tensor(lead, device=session.device)), page_rows]
             reserve = max(len(session.prompt.suffix(q)) for q in prompts) + p.max_new_tokens
-            if len(ids) + reserve > session.limit:
+            cut = len(ids) + reserve > session.limit
+            if cut:
                 if p.truncate == "none" or session.limit - reserve <= len(head):
                     raise ContextTooLong(len(ids), reserve, session.limit)
-                ids = ids[:session.limit - reserve]  # head (and head_tail) keep the beginning of a fused stream
-            return ids, torch.cat(parts)[:len(ids)]
+                # head, head_tail and retrieve keep the beginning of a fused stream
+                ids = ids[:session.limit - reserve]
+            return ids, torch.cat(parts)[:len(ids)], cut
 
 
 def fused_pages(table: pa.Table) -> dict[str, list[tuple[int, Any]]]:
@@ -336,6 +361,23 @@ def group_pages(table: pa.Table) -> dict[str, dict[str, Any]]:
     for doc in docs.values():
         doc["pages"].sort(key=lambda item: item[0])
     return docs
+
+
+@dataclass
+class _Read:
+    """One prefill of a document and the questions (by index) it serves; the pages it holds (None: not known page by
+    page, e.g. after a head cut) and whether pages or text were left out."""
+
+    questions: list[int]
+    ids: list[int]
+    embeds: Any
+    pages_used: list[int] | None
+    truncated: bool
+
+
+def _too_long(exc: Exception) -> str:
+    return (f"{exc}; set truncate: retrieve (each question reads the pages that match it best) or head "
+            "(--set answer.truncate=retrieve), or use a model with a longer context")
 
 
 def _row(doc_id: str, source: str | None, question: str | None, **values: Any) -> dict:

@@ -66,6 +66,8 @@ QA = pa.schema(DOC + [
     pa.field("kv_full_bytes", pa.int64()),
     pa.field("skipped_fraction", pa.float64()),
     pa.field("peak_memory_bytes", pa.int64()),
+    pa.field("pages_used", pa.list_(pa.int32())),
+    pa.field("truncated", pa.bool_()),
     ERROR,
 ])
 

@@ -191,3 +191,35 @@ def test_the_engine_is_named_when_it_cannot_serve_the_settings():
     assert "retier_every" in engine_unsupported(model, decode.params.kv)
     assert "pruning" in engine_unsupported(model, {}, {"threshold": 0.1})
     assert decode.params.engine == "on" and decode.params.max_streams == 64
+
+
+@pytest.mark.slow
+def test_retrieve_reads_each_questions_best_pages_of_a_document_past_the_context():
+    filler = "The committee reviewed the general budget and the usual items of business. " * 6
+    rows_in = [("long", i, filler) for i in range(12)]
+    rows_in[8] = ("long", 8, filler[:200] + " The pass key is 71432. Remember it. " + filler[:200])
+    rows_in[2] = ("long", 2, filler[:200] + " The sky looked green today. " + filler[:200])
+    table = pages_table(rows_in)
+    got = {}
+    for mode in ("off", "on"):
+        decode = stage(questions=["What is the pass key?", "What color was the sky today?"], max_new_tokens=12,
+                       truncate="retrieve", engine=mode, dtype="float32")
+        decode.setup()
+        decode.session.limit = 700  # the 12 pages need about 1,100 tokens: the document does not fit
+        got[mode] = decode.run(table).to_pylist()
+        if mode == "off":
+            assert decode.session.document_prefills == 2  # the two questions chose different pages
+    key, sky = got["off"]
+    assert key["error"] is None and "71432" in key["answer"] and 8 in key["pages_used"] and key["truncated"]
+    assert sky["error"] is None and 2 in sky["pages_used"] and 8 not in sky["pages_used"] and sky["truncated"]
+    assert key["pages_used"] != sky["pages_used"] and key["pages_used"] == sorted(key["pages_used"])
+    assert [r["answer"] for r in got["on"]] == [key["answer"], sky["answer"]]
+    assert [r["pages_used"] for r in got["on"]] == [key["pages_used"], sky["pages_used"]]
+
+
+@pytest.mark.slow
+def test_a_document_that_fits_reports_every_page_read_and_nothing_truncated(passkey_pages):
+    decode = stage("What is the pass key?", max_new_tokens=8, truncate="retrieve")
+    decode.setup()
+    row = decode.run(pages_table(passkey_pages)).to_pylist()[0]
+    assert row["pages_used"] == [0, 1] and row["truncated"] is False  # page 2 has no text

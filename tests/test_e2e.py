@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCFUSE = str(Path(sys.executable).parent / "docfuse")
 EXTRACT_COLUMNS = ["doc_id", "source", "page", "text", "image_only", "n_words", "error"]
 QA_COLUMNS = ["doc_id", "source", "question", "answer", "prompt_tokens", "ttft_s", "decode_tokens_per_s",
-              "kv_device_bytes", "kv_host_bytes", "kv_full_bytes", "skipped_fraction", "peak_memory_bytes", "error"]
+              "kv_device_bytes", "kv_host_bytes", "kv_full_bytes", "skipped_fraction", "peak_memory_bytes", "pages_used",
+              "truncated", "error"]
 
 
 def docfuse(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -134,15 +135,20 @@ def test_pdf_qa_two_questions_one_prefill_and_error_rows_per_question(fixtures, 
 
 
 @pytest.mark.slow
-def test_document_longer_than_the_context_is_an_error_row_unless_truncation_is_asked(tmp_path):
+def test_document_longer_than_the_context_reads_its_best_pages_or_is_an_error_row_when_asked(tmp_path):
     long_doc = tmp_path / "long.txt"
     long_doc.write_text(" ".join(f"Sentence {i} talks about nothing in particular." for i in range(4000)))
     out = tmp_path / "long.parquet"
     res = docfuse("run", "text_qa", "-i", str(long_doc), "-o", str(out), "--no-cache",
-                  "--set", "answer.max_new_tokens=8")
+                  "--set", "answer.max_new_tokens=8", "--set", "answer.truncate=none")
     assert res.returncode == 3
     error = pq.read_table(out).column("error")[0].as_py()
-    assert error.startswith("context_too_long:") and "truncate" in error
+    assert error.startswith("context_too_long:") and "truncate: retrieve" in error
+    res = docfuse("run", "text_qa", "-i", str(long_doc), "-o", str(out), "--no-cache",
+                  "--set", "answer.max_new_tokens=8", "--set", "params.question=What does sentence 3999 talk about?")
+    assert res.returncode == 0, res.stderr
+    row = pq.read_table(out).to_pylist()[0]
+    assert row["error"] is None and row["truncated"] and row["pages_used"] and row["prompt_tokens"] <= 8192
 
 
 @pytest.mark.slow
