@@ -24,6 +24,17 @@ def words(text: str) -> list[str]:
     return [w.lower() for w in _WORD.findall(text)]
 
 
+def terms(text: str) -> list[str]:
+    """What BM25 indexes: the words, and for words of six letters or more also their first five letters, so that
+    a typo or another form of the word ("advertsing", "memberships") still meets the page's word."""
+    out = []
+    for w in words(text):
+        out.append(w)
+        if len(w) >= 6 and w.isalpha():
+            out.append(w[:5] + "~")
+    return out
+
+
 @dataclass(frozen=True)
 class Selection:
     """Pages (0-based, ascending) a question reads, and whether pages with text were left out."""
@@ -45,13 +56,13 @@ class PageIndex:
 
         self.pages = sorted((p, t) for p, t in pages if t and t.strip())
         self.cost = {p: count_tokens(document_text([(p, t)])) + JOIN_TOKENS for p, t in self.pages}
-        corpus = [words(t) or ["\x00"] for _, t in self.pages]
+        corpus = [terms(t) or ["\x00"] for _, t in self.pages]
         self.bm25 = BM25Okapi(corpus) if corpus else None
 
     def scores(self, question: str) -> dict[int, float]:
         if self.bm25 is None:
             return {}
-        raw = self.bm25.get_scores(words(question))
+        raw = self.bm25.get_scores(terms(question))
         return {p: float(s) for (p, _), s in zip(self.pages, raw)}
 
     def select(self, question: str, budget: int) -> Selection:
