@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--answer", type=int, default=0, help="also answer the first N questions end to end")
+    parser.add_argument("--stop", choices=["on", "off"], default="on",
+                        help="off: answers end only at end-of-sequence (answer.stop=null), as before issue 26")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "docqa.json")
     args = parser.parse_args(argv)
     if not (args.corpus / "dev_questions.json").exists():
@@ -114,6 +116,8 @@ def answer(questions: list[dict], rows: list[dict], args) -> dict:
     for r in chosen:
         pipeline = Pipeline.from_yaml("pdf_qa_text")
         pipeline.set("params.question", r["question"])
+        if args.stop == "off":
+            pipeline.set("answer.stop", None)
         t0 = time.perf_counter()
         row = pipeline.run([str(args.corpus / "documents" / r["doc"])]).tables["answer"].to_pylist()[0]
         seconds = time.perf_counter() - t0
@@ -121,11 +125,22 @@ def answer(questions: list[dict], rows: list[dict], args) -> dict:
         out.append({"question": r["question"], "reference": r["answer"], "answer": row["answer"],
                     "contained": str(r["answer"]).lower() in got, "seconds": seconds,
                     "pages_used": row["pages_used"], "evidence": r["evidence"],
-                    "hit_max_new_tokens": len((row["answer"] or "").split()) > 80})
+                    "answer_words": len((row["answer"] or "").split()),
+                    "new_tokens_at_limit": _at_limit(row)})
         print(f"{seconds:5.1f}s contained={out[-1]['contained']} ref={r['answer']!r} got={row['answer']!r:.120}",
               flush=True)
-    return {"n": len(out), "contained": sum(o["contained"] for o in out),
+    return {"n": len(out), "stop": args.stop, "contained": sum(o["contained"] for o in out),
+            "at_token_limit": sum(o["new_tokens_at_limit"] for o in out),
+            "answer_words_median": statistics.median(o["answer_words"] for o in out) if out else None,
             "seconds_median": statistics.median(o["seconds"] for o in out) if out else None, "rows": out}
+
+
+def _at_limit(row: dict) -> bool:
+    """Whether the answer ran to max_new_tokens (128): its decode produced about that many tokens."""
+    from docfuse.stages.models import shared_model
+
+    _, tokenizer = shared_model("default", "auto", "cpu")
+    return len(tokenizer(row["answer"] or "")["input_ids"]) >= 120
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ lands on a user's import path::
     report = Pipeline.from_yaml("pdf_qa").set("params.question", "Who signed?").run(["contract.pdf"])
 """
 
-from docfuse.pipelines import Pipeline, PipelineSpec, Stage, StageParams, StageSpec, error_value
+from docfuse.pipelines import (Pipeline, PipelineSpec, RowErrors, RowErrorsWarning, Stage, StageParams, StageSpec,
+                               error_value)
 
-__all__ = ["Pipeline", "PipelineSpec", "StageSpec", "Stage", "StageParams", "error_value"]
+__all__ = ["Pipeline", "PipelineSpec", "RowErrors", "RowErrorsWarning", "StageSpec", "Stage", "StageParams",
+           "error_value"]

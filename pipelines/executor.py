@@ -53,6 +53,14 @@ class RunReport:
     tables: dict[str, pa.Table] = field(default_factory=dict)
     #: Stages the plan left out (they fed only inputs that are not read), each with why.
     skipped: dict[str, str] = field(default_factory=dict)
+    #: The first failed rows, as (source, error), to name them in a warning or an exception.
+    first_errors: list[tuple[str | None, str]] = field(default_factory=list)
+
+    def errors_summary(self, limit: int = 3) -> str:
+        """One line naming how many rows failed and the first few of them."""
+        named = "; ".join(f"{src or '?'}: {err}" for src, err in self.first_errors[:limit])
+        more = f" (and {self.error_rows - limit} more)" if self.error_rows > limit else ""
+        return f"{self.error_rows} row(s) failed: {named}{more}"
 
     @property
     def exit_code(self) -> int:
@@ -175,7 +183,13 @@ def _run_isolated(name: str, stage: Stage, good: list[pa.Table], schema: pa.Sche
 def count_rows(report: RunReport, table: pa.Table) -> None:
     """Add one output table's rows, and its error rows, to the report."""
     report.rows += table.num_rows
-    report.error_rows += table.num_rows - table.column("error").null_count
+    failed = table.num_rows - table.column("error").null_count
+    report.error_rows += failed
+    if failed and len(report.first_errors) < 10:
+        sources = table.column("source").to_pylist() if "source" in table.column_names else [None] * table.num_rows
+        for src, err in zip(sources, table.column("error").to_pylist()):
+            if err is not None and len(report.first_errors) < 10:
+                report.first_errors.append((src, err))
 
 
 class LocalExecutor:

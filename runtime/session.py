@@ -58,7 +58,7 @@ class Answer:
     kv_full_bytes: int
     peak_memory_bytes: int
     skipped_fraction: float = 0.0
-    finish_reason: str = "eos"  # eos | length
+    finish_reason: str = "eos"  # eos | length | stop (a stop string or a repeat, see runtime.stopping)
 
 
 def context_limit(model: Any) -> int:
@@ -103,12 +103,14 @@ class Session:
 
     def __init__(self, model: Any, tokenizer: Any, prompt: ChatPrompt | None = None,
                  max_context: int | None = None, kv: KVConfig | dict | None = None,
-                 pruning: PruningConfig | dict | None = None) -> None:
+                 pruning: PruningConfig | dict | None = None, stop: Any = None) -> None:
         """``max_context`` lowers the context window below the model's (to bound memory, or in tests).
 
         ``kv``: None for a plain full cache, else the tiered cache's budgets (a KVConfig or its dict).
         ``pruning``: None for dense decoding, else the decision head's threshold and safe mode (runtime.pruning);
         a model without a calibrated head decodes dense and says so once.
+        ``stop``: None to stop only at end-of-sequence, else stop strings and the repetition stop
+        (runtime.stopping.StopConfig or its dict).
         """
         self.kv = as_kv_config(kv) if kv is not None else None
         self.model = model
@@ -117,6 +119,12 @@ class Session:
         self.device = next(model.parameters()).device
         self.limit = min(context_limit(model), max_context or context_limit(model))
         self.stop_ids = stop_token_ids(model, tokenizer)
+        self.stopper = None
+        if stop is not None:
+            from docfuse.runtime.stopping import StopConfig, Stopper
+
+            config = stop if isinstance(stop, StopConfig) else StopConfig.model_validate(stop)
+            self.stopper = Stopper(config, tokenizer)
         self._cache_kwarg = cache_kwarg(model)
         self.cache: Any = None
         self.prefix_length = 0
@@ -247,6 +255,9 @@ class Session:
         decode_started = time.perf_counter()
         while token not in self.stop_ids:
             generated.append(token)
+            if self.stopper is not None and self.stopper.should_stop(generated):
+                finish = "stop"
+                break
             if len(generated) >= max_new_tokens:
                 finish = "length"
                 break
@@ -264,7 +275,7 @@ class Session:
             kv_full = metrics.full_kv_bytes(self.model.config, seq, self.model.dtype)
         return Answer(
             question=question,
-            text=self.tokenizer.decode(generated, skip_special_tokens=True).strip(),
+            text=self._text(generated),
             prompt_tokens=self.prefix_length + len(suffix),
             new_tokens=len(generated),
             ttft_s=ttft,
@@ -276,6 +287,12 @@ class Session:
             skipped_fraction=self.pruner.skipped_fraction if prune else 0.0,
             finish_reason=finish,
         )
+
+    def _text(self, generated: list[int]) -> str:
+        """The answer's text: cut at a stop string or before a repeat when ``stop`` is set."""
+        if self.stopper is None:
+            return self.tokenizer.decode(generated, skip_special_tokens=True).strip()
+        return self.stopper.text(generated)
 
     def _forward(self, ids: Sequence[int], embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``ids`` (or their ``embeds`` rows) through the model on top of the cache; the last position's logits."""

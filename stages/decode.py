@@ -40,6 +40,10 @@ class DecodeParams(StageParams):
                                            "safe_mode: false} (see runtime.pruning.PruningConfig); null = dense")
     system: str | None = Field(None, description="system message; null = answer from the document, concisely; "
                                                  "'' = the model's own default")
+    stop: dict[str, Any] | None = Field(default_factory=dict, description="end an answer at a stop string (a new "
+                                        "'Question:' turn, ...) or when it starts repeating itself: {strings: [...], "
+                                        "repeat_tokens: 12} (see runtime.stopping.StopConfig); null = only at "
+                                        "end-of-sequence")
     engine: Literal["auto", "on", "off"] = Field(
         "auto", description="the batched decode engine (runtime.engine): every question of every document of the "
                             "batch decodes together over paged tiers. auto = on CUDA with a kv: block it serves; "
@@ -54,6 +58,13 @@ class DecodeParams(StageParams):
         from docfuse.runtime.kv import KVConfig
 
         return _sub_block("kv", KVConfig, value)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from docfuse.runtime.stopping import StopConfig
+
+        return _sub_block("stop", StopConfig, value)
 
     @field_validator("pruning")
     @classmethod
@@ -120,15 +131,17 @@ class DecodeGenerate(Stage):
         model, tokenizer = shared_model(p.model, p.dtype, p.device)
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
-                               pruning=p.pruning)
+                               pruning=p.pruning, stop=p.stop)
         if p.ignore_eos:
             self.session.stop_ids = set()
         wanted = p.engine == "on" or (p.engine == "auto" and self.session.device.type == "cuda" and p.kv is not None)
         if wanted:
             self.engine_note = engine_unsupported(model, p.kv, p.pruning)
             if self.engine_note is None:
+                stopper = self.session.stopper
                 self.engine = Engine(model, p.kv, self.session.stop_ids, max_streams=p.max_streams,
-                                     prefill_chunk=p.prefill_chunk)
+                                     prefill_chunk=p.prefill_chunk,
+                                     stop_when=stopper.should_stop if stopper is not None else None)
             else:
                 print(f"decode.generate: the batched engine does not serve {self.engine_note}; decoding one question "
                       "at a time", file=sys.stderr)
@@ -244,7 +257,6 @@ class DecodeGenerate(Stage):
         outputs = self.engine.run([Document(read.ids, [suffixes[i] for i in read.questions], p.max_new_tokens,
                                             read.embeds) for _, _, read in jobs])
         by_doc: dict[str, dict[int, dict]] = {}
-        tokenizer = self.session.tokenizer
         for (doc_id, source, read), outs in zip(jobs, outputs):
             for i, out in zip(read.questions, outs):
                 if out.error:
@@ -252,7 +264,7 @@ class DecodeGenerate(Stage):
                     row = _row(doc_id, source, questions[i], error=error_value(kind, message))
                 else:
                     row = _row(doc_id, source, questions[i],
-                               answer=tokenizer.decode(out.tokens, skip_special_tokens=True).strip(),
+                               answer=self._text(out.tokens),
                                prompt_tokens=out.prompt_tokens, ttft_s=out.ttft_s,
                                decode_tokens_per_s=out.decode_tokens_per_s, kv_device_bytes=out.kv_device_bytes,
                                kv_host_bytes=out.kv_host_bytes, kv_full_bytes=out.kv_full_bytes,
@@ -263,6 +275,12 @@ class DecodeGenerate(Stage):
         for doc_id in docs:
             rows.extend(failed[doc_id] if doc_id in failed else [by_doc[doc_id][i] for i in range(len(questions))])
         return rows
+
+    def _text(self, tokens: list[int]) -> str:
+        stopper = self.session.stopper
+        if stopper is not None:
+            return stopper.text(tokens)
+        return self.session.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
     def _answer_document(self, doc_id: str, source: str | None, pages: list[tuple[int, str]],
                          questions: list[str], fused: list[tuple[int, Any]] | None = None) -> list[dict]:

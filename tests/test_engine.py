@@ -291,3 +291,24 @@ def test_a_pipeline_parameter_no_stage_reads_is_a_problem_with_a_suggestion():
     assert validate(qa) == []
     toy = Pipeline.from_yaml(TOY_YAML)  # no stage reads params: a pipeline may carry any
     assert validate(toy) == []
+
+
+def test_run_warns_on_error_rows_by_default_and_can_raise_or_stay_silent(tmp_path):
+    import warnings
+
+    from docfuse.pipelines.pipeline import RowErrors, RowErrorsWarning
+
+    docs = write_docs(tmp_path / "docs", 3, bad=(1,))
+    pipe = Pipeline.from_yaml(TOY_YAML)
+    with pytest.warns(RowErrorsWarning, match=r"1 row\(s\) failed: .*doc001.txt"):
+        report = pipe.run(docs)
+    assert report.error_rows == 1
+    with pytest.raises(RowErrors, match="1 row") as info:
+        pipe.run(docs, errors="raise")
+    assert info.value.report.error_rows == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.run(docs, errors="ignore")
+        pipe.run(docs[:1])  # no error row: no warning
+    with pytest.raises(ValueError, match="errors="):
+        pipe.run(docs, errors="loud")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -61,7 +61,7 @@ class StreamOutput:
     """One (document, question) answer: its tokens and measurements, or the error that stopped it."""
 
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "eos"  # eos | length | error
+    finish_reason: str = "eos"  # eos | length | stop | error
     prompt_tokens: int = 0
     #: Seconds of the stream's own work to its first token: the document's prefill (first question only) and the
     #: question's read, as ``Session`` counts it; time spent queued behind other streams is not in it.
@@ -138,12 +138,15 @@ class Engine:
             (:class:`~runtime.kv.background.DeviceArchive`: each question's exact read and re-tier are slices),
             ``host`` (LZ4 in host memory, as ``Session`` keeps it: less device memory, slower questions), ``auto``:
             the device on CUDA when the document's full K/V take at most an eighth of the card, else the host.
+        stop_when: called with a stream's answer tokens after each new one; True ends the stream
+            (``runtime.stopping.Stopper.should_stop``: stop strings, repeats), as in ``Session``.
     """
 
     def __init__(self, model: Any, kv: KVConfig | dict, stop_ids: set[int], *, pool_bytes: int | None = None,
                  max_streams: int = 64, graphs: bool | None = None, prefill_chunk: int = 512,
                  layer_major_from: int = 65536, memory_fraction: float = 0.9,
-                 archive: Literal["auto", "device", "host"] = "auto") -> None:
+                 archive: Literal["auto", "device", "host"] = "auto",
+                 stop_when: Callable[[list[int]], bool] | None = None) -> None:
         why = engine_unsupported(model, kv)
         if why:
             raise ValueError(f"the engine does not serve {why}; decode through runtime.session.Session")
@@ -156,6 +159,7 @@ class Engine:
         self.prefill_chunk, self.layer_major_from = prefill_chunk, layer_major_from
         self.limit = int(model.config.max_position_embeddings)
         self.archive = archive
+        self.stop_when = stop_when
         self._writer: Any = None
         self.pool: PagePool | None = None
         self.steps: dict[int, BatchStep] = {}
@@ -414,6 +418,9 @@ class Engine:
             st.out.finish_reason = "eos"
             return False
         st.out.tokens.append(token)
+        if self.stop_when is not None and self.stop_when(st.out.tokens):
+            st.out.finish_reason = "stop"
+            return False
         if len(st.out.tokens) >= st.max_new:
             st.out.finish_reason = "length"
             return False
