@@ -199,6 +199,10 @@ def ask(
             err.print(f"[bold red]{row['error']}[/]", highlight=False)
         else:
             typer.echo(row.get("answer", ""))
+            if row.get("skipped_fraction"):
+                err.print(f"[yellow]pruning skipped {row['skipped_fraction']:.0%} of the decode's blocks: it is "
+                          "experimental and can change answers; --set params.safe_mode=true decodes dense[/]",
+                          highlight=False)
             if row.get("truncated"):
                 used = row.get("pages_used")
                 where = f"pages {', '.join(str(p + 1) for p in used)}" if used else "its beginning"
