@@ -106,6 +106,10 @@ def run(
     inputs = [*(input or []), *(more or [])]
     if not inputs:
         fail("no input documents: pass --input/-i PATH (files, folders, globs or datasets), e.g. -i docs/*.pdf")
+    if output.suffix and output.suffix.lower() != ".parquet":
+        fail(f"--output {output}: docfuse writes Parquet (list and tensor columns do not fit {output.suffix}); "
+             f"use -o {output.with_suffix('.parquet')} and convert what you need, e.g. "
+             f"pyarrow.parquet.read_table(...).to_pandas().to_csv(...)")
     pipe = load_pipeline(pipeline, set_)
     report = _execute(pipe, inputs, output, engine, batch_docs, None if no_cache else cache_dir, column, address)
     err.print(f"{report.rows} row(s) from {report.documents} document(s) in {report.seconds:.1f} s"

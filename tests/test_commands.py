@@ -135,6 +135,9 @@ def test_run_takes_the_paths_a_shell_glob_expands_after_one_i(tmp_path) -> None:
     assert sorted(set(pq.read_table(out).column("source").to_pylist())) == sorted([str(a), str(b)])
     missing = CliRunner().invoke(app, ["run", "pdf_extract", "-o", str(out)])
     assert missing.exit_code == 2 and "--input/-i" in missing.output
+    csv = CliRunner().invoke(app, ["run", "pdf_extract", "-i", str(a), "-o", str(tmp_path / "pages.csv")])
+    assert csv.exit_code == 2 and "writes Parquet" in csv.output and "pages.parquet" in csv.output
+    assert not (tmp_path / "pages.csv").exists()
 
 
 def test_version_and_short_help() -> None:
