@@ -216,6 +216,38 @@ def ask(
     raise typer.Exit(report.exit_code)
 
 
+cache_app = typer.Typer(help="The stage-output cache (.docfuse-cache): what it holds, and clearing it. It keeps "
+                        "DOCFUSE_CACHE_MAX_GB (default 10) gigabytes, dropping the least recently used entries.",
+                        no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+CacheDir = Annotated[Path, typer.Option(help="Stage-output cache.")]
+
+
+@cache_app.command("info")
+def cache_info(cache_dir: CacheDir = Path(DEFAULT_CACHE)) -> None:
+    """Entries and bytes per stage."""
+    from docfuse.pipelines.cache import StageCache
+
+    cache = StageCache(cache_dir)
+    table = Table("stage", "entries", "MB")
+    total = 0
+    for stage, (n, nbytes) in sorted(cache.info().items()):
+        table.add_row(stage, str(n), f"{nbytes / 1e6:.1f}")
+        total += nbytes
+    Console().print(table)
+    typer.echo(f"{total / 1e6:.1f} MB in {cache_dir} (cap {cache.max_bytes / 1e9:g} GB: DOCFUSE_CACHE_MAX_GB)")
+
+
+@cache_app.command("clear")
+def cache_clear(stage: Annotated[Optional[str], typer.Option(help="Only this stage's entries.")] = None,
+                cache_dir: CacheDir = Path(DEFAULT_CACHE)) -> None:
+    """Remove the cached entries (all, or one stage's)."""
+    from docfuse.pipelines.cache import StageCache
+
+    n, nbytes = StageCache(cache_dir).clear(stage)
+    typer.echo(f"removed {n} entr{'y' if n == 1 else 'ies'}, {nbytes / 1e6:.1f} MB, from {cache_dir}")
+
+
 mount(app)  # the training and calibration commands (fusion/cli.py, runtime/pruning/cli.py, ...)
 
 

@@ -150,3 +150,39 @@ def test_version_and_short_help() -> None:
     for args in (["-h"], ["run", "-h"], ["ask", "-h"]):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 0 and "Usage" in res.output, args
+
+
+def test_cache_info_clear_and_the_size_cap(tmp_path, monkeypatch) -> None:
+    import os
+
+    import pyarrow as pa
+    from typer.testing import CliRunner
+
+    from docfuse.pipelines.cache import StageCache
+    from docfuse.pipelines.cli import app
+
+    table = pa.table({"x": list(range(2000))})
+    cache = StageCache(tmp_path / "c", max_bytes=10 ** 9)
+    for i in range(3):
+        cache.put("text", f"k{i}", table)
+    cache.put("pages", "k0", table)
+    size = cache.entries()[0][1]
+    info = CliRunner().invoke(app, ["cache", "info", "--cache-dir", str(tmp_path / "c")])
+    assert info.exit_code == 0 and "text" in info.output and "pages" in info.output
+    # the cap: a put past it drops the least recently used entries; a hit counts as a use
+    os.utime(tmp_path / "c" / "text" / "k0.arrow", (1, 1))
+    os.utime(tmp_path / "c" / "text" / "k1.arrow", (2, 2))
+    os.utime(tmp_path / "c" / "text" / "k2.arrow", (3, 3))
+    os.utime(tmp_path / "c" / "pages" / "k0.arrow", (4, 4))
+    small = StageCache(tmp_path / "c", max_bytes=int(3.5 * size))
+    assert small.get("text", "k0") is not None  # used now: k1 is the oldest
+    small.put("text", "k3", table)
+    left = {(p.parent.name, p.stem) for p, _, _ in small.entries()}
+    assert left == {("pages", "k0"), ("text", "k0"), ("text", "k3")} and small.evicted == 2  # k1 and k2 went
+    cleared = CliRunner().invoke(app, ["cache", "clear", "--stage", "text", "--cache-dir", str(tmp_path / "c")])
+    assert cleared.exit_code == 0 and "removed 2 entries" in cleared.output
+    assert [p.parent.name for p, _, _ in StageCache(tmp_path / "c").entries()] == ["pages"]
+    CliRunner().invoke(app, ["cache", "clear", "--cache-dir", str(tmp_path / "c")])
+    assert StageCache(tmp_path / "c").entries() == []
+    monkeypatch.setenv("DOCFUSE_CACHE_MAX_GB", "0.5")
+    assert StageCache(tmp_path / "c").max_bytes == 500_000_000
