@@ -188,16 +188,23 @@ def ask(
     pipeline: Annotated[Optional[str], typer.Option(help="Pipeline to run; default pdf_qa, or text_qa for .txt/.md.")] = None,
     cache_dir: Annotated[Path, typer.Option(help="Stage-output cache.")] = Path(DEFAULT_CACHE),
     no_cache: Annotated[bool, typer.Option("--no-cache")] = False,
+    max_new_tokens: Annotated[Optional[int], typer.Option(min=1, help="Most answer tokens (answer.max_new_tokens).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the answer row as JSON on stdout.")] = False,
 ) -> None:
     """Answer one question about one document with the built-in QA pipeline, and print the answer."""
     name = pipeline or ("text_qa" if file.suffix.lower() in {".txt", ".md", ".markdown"} else "pdf_qa")
-    pipe = load_pipeline(name, [*(set_ or [])])
+    extra = [f"answer.max_new_tokens={max_new_tokens}"] if max_new_tokens is not None else []
+    pipe = load_pipeline(name, [*(set_ or []), *extra])
     pipe.set("params.questions", None)
     pipe.set("params.question", question)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "answer.parquet"
         report = _execute(pipe, [str(file)], out, "local", 1, None if no_cache else cache_dir, None)
         rows = pq.read_table(out).to_pylist()
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(row, default=str))
+        raise typer.Exit(report.exit_code)
     for row in rows:
         if row.get("error"):
             err.print(f"[bold red]{row['error']}[/]", highlight=False)

@@ -111,6 +111,10 @@ def test_ask_answers_from_the_sample_pdf():
     res = docfuse("ask", "data/sample.pdf", "What is the monthly fee?", "--no-cache")
     assert res.returncode == 0, res.stderr
     assert "4,250" in res.stdout
+    res = docfuse("ask", "data/sample.pdf", "What is the monthly fee?", "--no-cache", "--json", "--max-new-tokens", "12")
+    row = json.loads(res.stdout)
+    assert res.returncode == 0 and "4,250" in row["answer"] and row["pages_used"] and row["truncated"] is False
+    assert len(row["answer"].split()) <= 12
 
 
 @pytest.mark.slow
