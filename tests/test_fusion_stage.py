@@ -184,7 +184,8 @@ def test_decode_from_a_gate_zero_fused_stream_equals_the_text_path(tmp_path, mod
     from docfuse.runtime.prompt import document_text
     from docfuse.stages.decode import group_pages
 
-    ids, _ = d._fused_prefix(fused_pages_all(out)["d"], ["What is the monthly fee?"])
+    ids, _, cut = d._fused_prefix(fused_pages_all(out)["d"], ["What is the monthly fee?"])
+    assert not cut
     assert ids == list(d.session.prompt.prefix(document_text(group_pages(text)["d"]["pages"])).ids)
 
 
