@@ -19,6 +19,7 @@ become error rows.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -97,7 +98,7 @@ class Stage:
         return {
             "kind": cls.kind,
             "version": cls.version,
-            "doc": (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
+            "doc": _summary(cls.__doc__),
             "inputs": {port: [f"{f.name}: {f.type}" for f in schema] for port, schema in cls.inputs.items()},
             "output": [f"{f.name}: {f.type}" for f in cls.output_schema],
             "params": {
@@ -110,6 +111,16 @@ class Stage:
                 for name, field in cls.Params.model_fields.items()
             },
         }
+
+
+def _summary(doc: str | None) -> str:
+    """A docstring's first paragraph on one line (a summary may wrap over several source lines)."""
+    lines = []
+    for line in inspect.cleandoc(doc or "").splitlines():
+        if not line.strip():
+            break
+        lines.append(line.strip())
+    return " ".join(lines)
 
 
 def _type_name(annotation: Any) -> str:

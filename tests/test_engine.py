@@ -312,3 +312,14 @@ def test_run_warns_on_error_rows_by_default_and_can_raise_or_stay_silent(tmp_pat
         pipe.run(docs[:1])  # no error row: no warning
     with pytest.raises(ValueError, match="errors="):
         pipe.run(docs, errors="loud")
+
+
+def test_a_stage_description_is_its_whole_first_paragraph():
+    from docfuse.pipelines.stage import _summary
+
+    assert _summary("""Answer the questions about each document, one prefill a document,
+    and one row per question.
+
+    Details that stay out of the listing.""") == ("Answer the questions about each document, one prefill a document, "
+                                                   "and one row per question.")
+    assert _summary(None) == ""
