@@ -7,6 +7,7 @@ what they train and join ``docfuse`` through the ``docfuse.commands`` entry poin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -121,7 +122,9 @@ def run(
 
 
 def _execute(pipe: Pipeline, inputs: list[str], output: Path, engine: str, batch_docs: int,
-             cache_dir: Path | None, column: str | None, address: str | None = None) -> RunReport:
+             cache_dir: Path | None, column: str | None, address: str | None = None,
+             bar: bool = True) -> RunReport:
+    """Run with a progress bar of documents on a terminal (``bar=False``: the caller shows its own progress)."""
     try:
         executor = choose_executor(pipe, engine, cache_dir=cache_dir, address=address)
     except PipelineInvalid as exc:
@@ -134,10 +137,11 @@ def _execute(pipe: Pipeline, inputs: list[str], output: Path, engine: str, batch
             return executor.run(inputs, output, batch_docs=batch_docs, column=column, progress=err.is_terminal)
         total = count(inputs, column)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err, disable=not err.is_terminal, transient=False) as bar:
-            task = bar.add_task(pipe.name, total=total)
+                      TimeElapsedColumn(), console=err, disable=not (bar and err.is_terminal),
+                      transient=False) as progress:
+            task = progress.add_task(pipe.name, total=total)
             return executor.run(inputs, output, batch_docs=batch_docs, column=column,
-                                on_batch=lambda n, _cached: bar.advance(task, n))
+                                on_batch=lambda n, _cached: progress.advance(task, n))
     except (InputError, StageSetupError, RayUnavailable) as exc:
         fail(str(exc))
 
@@ -197,9 +201,11 @@ def ask(
     pipe = load_pipeline(name, [*(set_ or []), *extra])
     pipe.set("params.questions", None)
     pipe.set("params.question", question)
-    with tempfile.TemporaryDirectory() as tmp:
+    live = sys.stdout.isatty() and not as_json
+    streamed: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp, _streaming(live, streamed):
         out = Path(tmp) / "answer.parquet"
-        report = _execute(pipe, [str(file)], out, "local", 1, None if no_cache else cache_dir, None)
+        report = _execute(pipe, [str(file)], out, "local", 1, None if no_cache else cache_dir, None, bar=not live)
         rows = pq.read_table(out).to_pylist()
     if as_json:
         for row in rows:
@@ -209,7 +215,7 @@ def ask(
         if row.get("error"):
             err.print(f"[bold red]{row['error']}[/]", highlight=False)
         else:
-            typer.echo(row.get("answer", ""))
+            typer.echo("" if streamed else row.get("answer", ""))  # streamed: the answer is on the screen already
             if row.get("skipped_fraction"):
                 err.print(f"[yellow]pruning skipped {row['skipped_fraction']:.0%} of the decode's blocks: it is "
                           "experimental and can change answers; --set params.safe_mode=true decodes dense[/]",
@@ -221,6 +227,32 @@ def ask(
             err.print(f"[dim]{row.get('prompt_tokens')} prompt tokens, time to first token {row.get('ttft_s', 0):.1f} s, "
                       f"{row.get('decode_tokens_per_s', 0):.1f} tokens/s[/]", highlight=False)
     raise typer.Exit(report.exit_code)
+
+
+@contextlib.contextmanager
+def _streaming(live: bool, streamed: list[str]):
+    """On a terminal, ``ask`` shows the prefill's progress in tokens (stderr) and the answer as it is decoded."""
+    if not live:
+        yield
+        return
+    from docfuse.pipelines.progress import LIVE, Live
+
+    def prefill(done: int, total: int) -> None:
+        sys.stderr.write(f"\rreading the document: {done:,} / {total:,} tokens")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def text(piece: str) -> None:
+        streamed.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    token = LIVE.set(Live(on_prefill=prefill, on_text=text))
+    try:
+        yield
+    finally:
+        LIVE.reset(token)
 
 
 cache_app = typer.Typer(help="The stage-output cache (.docfuse-cache): what it holds, and clearing it. It keeps "

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,19 @@ from docfuse.runtime.kv.code_attention import reading_codes
 from docfuse.runtime.kv.queries import record_queries
 from docfuse.runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
 from docfuse.runtime.pruning import Pruner, PruningConfig, find_head
+
+@dataclass
+class Progress:
+    """Callbacks a caller (``docfuse ask`` on a terminal) installs with :data:`PROGRESS` to show a session's work as
+    it happens: document tokens prefilled so far, and each new piece of answer text."""
+
+    on_prefill: Callable[[int, int], None] | None = None  # (tokens done, tokens in all)
+    on_text: Callable[[str], None] | None = None  # the answer's text added by its newest token
+
+
+#: The progress callbacks of the current context (None: nothing to report). A ContextVar, so that only the caller
+#: who set it (and the pipeline it runs in this thread) sees them.
+PROGRESS: ContextVar[Progress | None] = ContextVar("docfuse_session_progress", default=None)
 
 #: Room kept for a question when ``prefill_document`` is not told the questions.
 DEFAULT_QUESTION_RESERVE = 64
@@ -253,8 +267,15 @@ class Session:
             self.pruner.reset_counts()
             self.pruner.mode = "decode"
         decode_started = time.perf_counter()
+        progress = PROGRESS.get()
+        shown = ""
         while token not in self.stop_ids:
             generated.append(token)
+            if progress is not None and progress.on_text is not None:
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                if text.startswith(shown) and len(text) > len(shown):
+                    progress.on_text(text[len(shown):])
+                    shown = text
             if self.stopper is not None and self.stopper.should_stop(generated):
                 finish = "stop"
                 break
@@ -327,6 +348,9 @@ def fill_cache(model: Any, cache: Any, ids: Sequence[int], chunk_size: int, embe
 
         layer_major_prefill(model, cache, chunk=chunk_size, writer=writer, **_inputs(model, ids, embeds))
         return
+    progress = PROGRESS.get()
     for start in range(0, len(ids), chunk_size):
         rows = None if embeds is None else embeds[start:start + chunk_size]
         forward_tokens(model, cache, ids[start:start + chunk_size], rows)
+        if progress is not None and progress.on_prefill is not None:
+            progress.on_prefill(min(len(ids), start + chunk_size), len(ids))

@@ -173,6 +173,20 @@ class DecodeGenerate(Stage):
         return pa.Table.from_pylist(rows, schema=self.output_schema)
 
     def run(self, pages: pa.Table) -> pa.Table:
+        from docfuse.pipelines.progress import LIVE
+
+        live = LIVE.get()
+        if live is None:
+            return self._run(pages)
+        from docfuse.runtime.session import PROGRESS, Progress
+
+        token = PROGRESS.set(Progress(on_prefill=live.on_prefill, on_text=live.on_text))
+        try:
+            return self._run(pages)
+        finally:
+            PROGRESS.reset(token)
+
+    def _run(self, pages: pa.Table) -> pa.Table:
         rows: list[dict] = []
         try:
             questions = self.questions()

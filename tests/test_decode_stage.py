@@ -223,3 +223,24 @@ def test_a_document_that_fits_reports_every_page_read_and_nothing_truncated(pass
     decode.setup()
     row = decode.run(pages_table(passkey_pages)).to_pylist()[0]
     assert row["pages_used"] == [0, 1] and row["truncated"] is False  # page 2 has no text
+
+
+@pytest.mark.slow
+def test_progress_reports_the_prefill_in_tokens_and_the_answer_as_it_comes(passkey_pages):
+    """What docfuse ask shows on a terminal: pipelines.progress.LIVE sees every prefill chunk and every new piece of
+    the answer, through the pipeline's decode stage (which hands it to runtime.session.PROGRESS)."""
+    from docfuse.pipelines.progress import LIVE as PROGRESS, Live as Progress
+
+    seen: list[tuple[int, int]] = []
+    pieces: list[str] = []
+    decode = stage("What is the pass key?", max_new_tokens=16, prefill_chunk=64)
+    decode.setup()
+    token = PROGRESS.set(Progress(on_prefill=lambda done, total: seen.append((done, total)), on_text=pieces.append))
+    try:
+        row = decode.run(pages_table(passkey_pages)).to_pylist()[0]
+    finally:
+        PROGRESS.reset(token)
+    assert len(seen) > 2 and seen[-1][0] == seen[-1][1] == row["prompt_tokens"] - len(
+        decode.session.prompt.suffix("What is the pass key?"))
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert "".join(pieces).strip().startswith(row["answer"][:10]) and "71432" in "".join(pieces)
