@@ -185,6 +185,9 @@ def run_config(cases_dir: Path, name: str, half: str | None, device: str, shard:
     base.set("answer.max_new_tokens", MAX_NEW_TOKENS)
     base.set("answer.device", device)
     base.set("answer.kv", kv)
+    # the recorded runs (bench/RESULTS.md, issue 29) decoded to end-of-sequence or the token limit; issue 26's stop
+    # rules would shorten both sides' answers and change what agreement means
+    base.set("answer.stop", None)
     for key, value in EXTRA.get(name, {}).items():
         base.set(f"answer.{key}", value)
     with out.open("w") as f:
