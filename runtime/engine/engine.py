@@ -188,7 +188,7 @@ class Engine:
         one chunk."""
         s, config = self.shape, self.model.config
         item = torch.empty((), dtype=s.dtype).element_size()
-        full = s.layers * tokens * s.kv_heads * s.head_dim * 2 * item
+        full = self._full_bytes(tokens)
         core, assoc = self.stream_tokens(tokens, 0)
         tiers = (pages_for(core, s.page) * s.core_page_bytes + pages_for(assoc, s.page) * s.assoc_page_bytes)
         hidden = int(config.hidden_size)
@@ -220,10 +220,11 @@ class Engine:
 
     def _make_pool(self, docs: Sequence[Document]) -> PagePool:
         s = self.shape
-        need = [self.stream_pages(len(d.prefix), max((len(q) for q in d.questions), default=0), d.max_new_tokens)
-                for d in docs if d.questions]
-        core_bytes = sum(c * s.core_page_bytes for c, _ in need) or s.core_page_bytes
-        assoc_bytes = sum(a * s.assoc_page_bytes for _, a in need)
+        # per document: the pages of its largest stream, and how many streams it has
+        need = [(self.stream_pages(len(d.prefix), max(len(q) for q in d.questions), d.max_new_tokens),
+                 len(d.questions)) for d in docs if d.questions]
+        core_bytes = sum(c * s.core_page_bytes for (c, _), _n in need) or s.core_page_bytes
+        assoc_bytes = sum(a * s.assoc_page_bytes for (_, a), _n in need)
         share = core_bytes / (core_bytes + assoc_bytes)
         nbytes = self.pool_bytes
         if nbytes is None:
@@ -238,11 +239,8 @@ class Engine:
                 nbytes = GB
         # never more than every stream at once needs (plus a page of each tier for rounding): a small batch keeps
         # the rest of the card free
-        cap = max(self.buckets) if docs else 1
-        need_all = sorted((c * s.core_page_bytes + a * s.assoc_page_bytes
-                           for d in docs for c, a in [self.stream_pages(len(d.prefix), max(
-                               (len(q) for q in d.questions), default=0), d.max_new_tokens)] for _ in d.questions),
-                          reverse=True)[:cap]
+        need_all = sorted((c * s.core_page_bytes + a * s.assoc_page_bytes for (c, a), n in need for _ in range(n)),
+                          reverse=True)[:max(self.buckets)]
         nbytes = min(nbytes, sum(need_all) + 2 * (s.core_page_bytes + s.assoc_page_bytes))
         nbytes = max(nbytes, s.core_page_bytes + s.assoc_page_bytes)
         return PagePool.sized(s, nbytes, share, self.device)
@@ -265,7 +263,7 @@ class Engine:
         queue = deque(i for i, d in enumerate(docs) if d.questions)
         live: list[_Stream] = []
         opened: _Open | None = None
-        bound: tuple[int, ...] | None = None
+        rebind = True  # the live streams changed since the step's inputs were written
         while queue or opened is not None or live:
             # ---- admission: open the next document, start its questions while their pages are free ----
             while len(live) < max(self.buckets):
@@ -301,20 +299,20 @@ class Engine:
                 stream = self._start(opened, doc, q, outputs[opened.index][q], started)
                 if stream is not None:
                     live.append(stream)
+                    rebind = True
                 opened.next_question += 1
                 if opened.next_question == len(doc.questions):
                     opened = None  # the document's cache goes; its streams hold their own tiers
             if not live:
                 continue
             # ---- one step for every live stream ----
-            key = tuple(id(st) for st in live)
             size = next(b for b in self.buckets if b >= len(live))
             step = self.steps.get(size)
             if step is None:
                 step = self.steps[size] = BatchStep(self.model, pool, size, core_width, assoc_width, self.graphs)
-            if key != bound or step is not self._bound_step:
+            if rebind:  # the bucket follows the live count, so an unchanged set keeps its step and its inputs
                 step.bind([(st.pages, st.token, st.position, st.core) for st in live])
-                bound, self._bound_step = key, step
+                rebind = False
             t0 = time.perf_counter()
             tokens = step.run()[: len(live), 0].tolist()  # waits for the device
             seconds = time.perf_counter() - t0
@@ -339,6 +337,7 @@ class Engine:
             for st in done:
                 live.remove(st)
                 self._finish(st)
+                rebind = True
         peak = metrics.peak_memory_bytes(self.device)
         for doc_out in outputs:
             for out in doc_out:
@@ -354,8 +353,6 @@ class Engine:
         """Device bytes one step reads for a stream: its core (with the answer so far) and association tokens."""
         s = self.shape
         return ((st.core + 1) * s.core_page_bytes + st.pages.n_assoc * s.assoc_page_bytes) // s.page
-
-    _bound_step: BatchStep | None = None
 
     # ---- pieces of the run -------------------------------------------------------------------------------------
     def _open(self, index: int, doc: Document, outputs: list[StreamOutput]) -> _Open | None:
