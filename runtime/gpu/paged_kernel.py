@@ -34,6 +34,36 @@ def _dot_dtype():
 if HAS_TRITON:
 
     @triton.jit
+    def _codes(ptr, rows, s_t, h, s_h, ok, BITS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr):
+        """A page's codes ``[PAGE, D]`` as float32: two 4-bit codes a byte (low nibble first), or one 8-bit code."""
+        if BITS == 4:
+            j = tl.arange(0, D // 2)
+            packed = tl.load(ptr + rows[:, None] * s_t + h * s_h + j[None, :], mask=ok[:, None], other=0)
+            return tl.reshape(tl.join(packed & 15, packed >> 4), (PAGE, D)).to(tl.float32)
+        d = tl.arange(0, D)
+        return tl.load(ptr + rows[:, None] * s_t + h * s_h + d[None, :], mask=ok[:, None], other=0).to(tl.float32)
+
+    @triton.jit
+    def _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT: tl.constexpr, PRECISE: tl.constexpr):
+        """One tile of the online softmax: keys ``k`` and values ``v`` [PAGE, D] (``ok``: the tile's real tokens)
+        folded into the running max ``m_i``, sum ``l_i`` and weighted values ``acc`` of the query rows ``q``."""
+        if PRECISE:  # a float32 model: float32 products, as the CPU path computes them
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no valid token: no NaN
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if PRECISE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _paged_kernel(
         Q, s_qb, s_qh,
         KC, VC, s_ct, s_ch, CT, s_ctb, NC,
@@ -68,46 +98,20 @@ if HAS_TRITON:
             t = pi * PAGE + n
             t_ok = (t < n_a) & (pi < pages_a)
             rows = page * PAGE + n
-            if KBITS == 4:
-                j = tl.arange(0, D // 2)
-                kb = tl.load(AKC + rows[:, None] * s_akt + h * s_akh + j[None, :], mask=t_ok[:, None], other=0)
-                kq = tl.reshape(tl.join(kb & 15, kb >> 4), (PAGE, D)).to(tl.float32)
-            else:
-                kq = tl.load(AKC + rows[:, None] * s_akt + h * s_akh + d[None, :], mask=t_ok[:, None],
-                             other=0).to(tl.float32)
+            kq = _codes(AKC, rows, s_akt, h, s_akh, t_ok, KBITS, PAGE, D)
             grows = page * (PAGE // KGROUP) + tl.arange(0, PAGE // KGROUP)
             ks_off = grows[:, None] * s_kst + h * s_ksh + d[None, :]
             k_s = tl.load(AKS + ks_off).to(tl.float32)
             k_z = tl.load(AKZ + ks_off).to(tl.float32)
             k3 = tl.reshape(kq, (PAGE // KGROUP, KGROUP, D)) * k_s[:, None, :] + k_z[:, None, :]
             k = tl.reshape(k3, (PAGE, D)).to(DOT)
-            if PRECISE:  # a float32 model: float32 products, as the CPU path computes them
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(t_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(s - m_sub[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if VBITS == 4:
-                j2 = tl.arange(0, D // 2)
-                vb = tl.load(AVC + rows[:, None] * s_avt + h * s_avh + j2[None, :], mask=t_ok[:, None], other=0)
-                vq = tl.reshape(tl.join(vb & 15, vb >> 4), (PAGE, D)).to(tl.float32)
-            else:
-                vq = tl.load(AVC + rows[:, None] * s_avt + h * s_avh + d[None, :], mask=t_ok[:, None],
-                             other=0).to(tl.float32)
+            vq = _codes(AVC, rows, s_avt, h, s_avh, t_ok, VBITS, PAGE, D)
             vs_off = rows[:, None] * s_vst + h * s_vsh + tl.arange(0, D // VGROUP)[None, :]
             v_s = tl.load(AVS + vs_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
             v_z = tl.load(AVZ + vs_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
             v3 = tl.reshape(vq, (PAGE, D // VGROUP, VGROUP)) * v_s[:, :, None] + v_z[:, :, None]
             v = tl.reshape(v3, (PAGE, D)).to(DOT)
-            if PRECISE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale, DOT, PRECISE)
 
         # ---- core pages: exact ----
         n_c = tl.load(NC + b)
@@ -120,22 +124,8 @@ if HAS_TRITON:
             t_ok = (t < n_c) & (pi < pages_c)
             off = (page * PAGE + n)[:, None] * s_ct + h * s_ch + d[None, :]
             k = tl.load(KC + off, mask=t_ok[:, None], other=0.0).to(DOT)
-            if PRECISE:  # a float32 model: float32 products, as the CPU path computes them
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(t_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(s - m_sub[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(VC + off, mask=t_ok[:, None], other=0.0).to(DOT)
-            if PRECISE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale, DOT, PRECISE)
 
         row = (b * hkv * GQ + h * GQ + g) * n_split + pid_s
         tl.store(M_OUT + row, m_i, mask=g_ok)
