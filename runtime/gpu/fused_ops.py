@@ -50,55 +50,54 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 # ---------------------------------------------------------------- RoPE on q and k, k and v written into the core
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, D] rotated by ``cos``/``sin`` [B, D] in float32, rounded once to x's dtype (the kernel's math)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    return (x.float() * c + torch.cat([-x2, x1], dim=-1) * s).to(x.dtype)
+
+
+def _rope_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 dest_k: torch.Tensor, dest_v: torch.Tensor, slot: torch.Tensor, s_b: int, s_h: int, s_t: int,
+                 row_slots: bool) -> torch.Tensor:
+    """The RoPE kernel: rotated q back, rotated k and v written at ``slot`` (one, or one per row) of ``dest_k``/``v``
+    addressed by strides (batch, head, token)."""
+    assert dest_k.stride() == dest_v.stride() and dest_k.stride(-1) == 1, "K and V must share one layout"
+    b, hq, d = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    _rope_kernel[(b, hq + k.shape[1])](q, k, v, cos, sin, cos.stride(0), out, dest_k, dest_v, slot, s_b, s_h, s_t,
+                                       hq, k.shape[1], HALF=d // 2, ROW_SLOTS=row_slots, num_warps=1)
+    return out
+
+
 def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                core_k: torch.Tensor, core_v: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """Rotate ``q`` [B, Hq, D] and ``k`` [B, Hkv, D] by ``cos``/``sin`` [B or 1, D] (transformers' rotate-half
     convention); write the rotated ``k`` and ``v`` at core index ``slot`` (device long [1]) of ``core_k``/``core_v``
     [B, Hkv, capacity, D]. Returns the rotated ``q``."""
-    b, hq, d = q.shape
-    hkv = k.shape[1]
+    b, _, d = q.shape
     cos, sin = cos.expand(b, d), sin.expand(b, d)
     if not _use_triton(q):
-        def rot(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
-            return (x.float() * c + torch.cat([-x2, x1], dim=-1) * s).to(x.dtype)
-
-        core_k.index_copy_(2, slot, rot(k).unsqueeze(2))
+        core_k.index_copy_(2, slot, _rotate(k, cos, sin).unsqueeze(2))
         core_v.index_copy_(2, slot, v.unsqueeze(2))
-        return rot(q)
-    assert core_k.stride() == core_v.stride() and core_k.stride(-1) == 1, "core K and V must share one layout"
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
-    _rope_kernel[(b, hq + hkv)](q, k, v, cos, sin, cos.stride(0), out, core_k, core_v, slot,
-                                core_k.stride(0), core_k.stride(1), core_k.stride(2), hq, hkv, HALF=d // 2,
-                                ROW_SLOTS=False, num_warps=1)
-    return out
+        return _rotate(q, cos, sin)
+    return _rope_launch(q, k, v, cos, sin, core_k, core_v, slot, core_k.stride(0), core_k.stride(1),
+                        core_k.stride(2), row_slots=False)
 
 
 def rope_write_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """:func:`rope_write` for a paged pool (runtime.engine.pool): ``cos``/``sin`` [B, D] per batch row, and row ``b``'s
     rotated ``k`` and ``v`` go to pool row ``rows[b]`` (device long [B]) of ``pool_k``/``pool_v`` [rows, Hkv, D]."""
-    b, hq, d = q.shape
-    hkv = k.shape[1]
+    b, _, d = q.shape
     cos, sin = cos.expand(b, d), sin.expand(b, d)
     if not _use_triton(q):
-        def rot(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
-            return (x.float() * c + torch.cat([-x2, x1], dim=-1) * s).to(x.dtype)
-
-        pool_k.index_copy_(0, rows, rot(k).to(pool_k.dtype))
+        pool_k.index_copy_(0, rows, _rotate(k, cos, sin).to(pool_k.dtype))
         pool_v.index_copy_(0, rows, v.to(pool_v.dtype))
-        return rot(q)
-    assert pool_k.stride() == pool_v.stride() and pool_k.stride(-1) == 1, "pool K and V must share one layout"
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
-    _rope_kernel[(b, hq + hkv)](q, k, v, cos, sin, cos.stride(0), out, pool_k, pool_v, rows,
-                                0, pool_k.stride(1), pool_k.stride(0), hq, hkv, HALF=d // 2,
-                                ROW_SLOTS=True, num_warps=1)
-    return out
+        return _rotate(q, cos, sin)
+    return _rope_launch(q, k, v, cos, sin, pool_k, pool_v, rows, 0, pool_k.stride(1), pool_k.stride(0),
+                        row_slots=True)
 
 
 # ---------------------------------------------------------------- SiLU(gate) * up
