@@ -45,19 +45,10 @@ from docfuse.runtime.kv.association import AssociationStore  # noqa: E402
 from docfuse.runtime.kv.background import ArchiveWriter  # noqa: E402
 from docfuse.runtime.layer_prefill import layer_major_prefill  # noqa: E402
 from docfuse.runtime.session import cache_kwarg  # noqa: E402
+from bench.common import copy_bandwidth, llama8b_config  # noqa: E402
 
 KV = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "association_key_bits": 4}
 GB = 1e9
-
-
-def llama8b_config():
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
-                         max_position_embeddings=131072, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    return config
 
 
 def build_model():
@@ -68,24 +59,6 @@ def build_model():
         model = LlamaForCausalLM(llama8b_config()).eval()
     torch.set_default_dtype(torch.float32)
     return model
-
-
-def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of ``reps``)."""
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
 def sync_time() -> float:

@@ -25,6 +25,7 @@ import gc
 import json
 import random
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +33,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # last: on a lent GPU the installed docfuse must win over the tree's docfuse/ folder
+
+from bench.common import copy_bandwidth, llama8b_config  # noqa: E402
 KV = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "association_key_bits": 4,
       "prefill": "tokens"}
 QUESTIONS = ["Who signed the agreement?", "What is the termination notice period?", "Which law governs the contract?",
@@ -50,14 +54,11 @@ def model_folder(path: Path, tokenizer_dir: Path, save_weights: bool):
     stage's ``setup`` finds it without reading 16 GB back from disk."""
     import shutil
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from docfuse.stages import models
 
-    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
-                         max_position_embeddings=131072 + 1024, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
+    config = llama8b_config(131072 + 1024)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).eval()
@@ -153,23 +154,6 @@ def floor_fraction(result: dict, weights_read: int, bandwidth: float) -> dict:
     return rows
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / sorted(times)[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["review_32k", "batch1_32k", "long_128k"])
@@ -193,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                    "new_tokens": args.new_tokens, "command": "python bench/bench_gpu_pipeline.py " +
                    " ".join(argv or [])})
     result.setdefault("workloads", {})
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(2 << 30, 10)
     model_dir = args.work / "llama8b-random"
     model, tokenizer = model_folder(model_dir, args.tokenizer or default_model_dir(), args.save_weights)
     weights_read = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)

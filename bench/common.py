@@ -40,3 +40,35 @@ def save(name: str, result: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=2))
     return path
+
+
+def llama8b_config(max_positions: int = 131072):
+    """A Llama-3.1-8B-shaped config on SDPA (the GPU benchmarks fill it with random bf16 weights)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of ``reps``, after
+    three warm-up copies)."""
+    import torch
+
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / sorted(times)[len(times) // 2]
