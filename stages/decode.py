@@ -203,7 +203,7 @@ class DecodeGenerate(Stage):
         if self.engine is not None:
             return pa.Table.from_pylist(self._answer_together(docs, questions, fused), schema=self.output_schema)
         for doc_id, doc in docs.items():
-            rows.extend(self._answer_document(doc_id, doc["source"], doc["pages"], questions, fused.get(doc_id)))
+            rows.extend(self._answer_document(doc_id, doc, questions, fused.get(doc_id)))
         return pa.Table.from_pylist(rows, schema=self.output_schema)
 
     def _reads(self, pages: list[tuple[int, str]], questions: list[str], prompts: list[str],
@@ -246,8 +246,6 @@ class DecodeGenerate(Stage):
                          fused: dict[str, list[tuple[int, Any]]]) -> list[dict]:
         """Every question of every document through the engine at once; rows in document order."""
         from docfuse.runtime.engine import Document
-        from docfuse.runtime.prompt import document_text
-        from docfuse.runtime.session import ContextTooLong
 
         p = self.params
         prompts = [p.prompt.format(question=q) for q in questions]
@@ -255,19 +253,10 @@ class DecodeGenerate(Stage):
         jobs: list[tuple[str, Any, _Read]] = []
         failed: dict[str, list[dict]] = {}
         for doc_id, doc in docs.items():
-            source = doc["source"]
-            if not document_text(doc["pages"]) and not fused.get(doc_id):
-                failed[doc_id] = [_row(doc_id, source, q, error=error_value(
-                    "no_text", f"none of the document's {len(doc['pages'])} page(s) has text; image-only pages need "
-                               "OCR or the fusion stage (trained) before decode.generate")) for q in questions]
-                continue
-            try:
-                reads = self._reads(doc["pages"], questions, prompts, fused.get(doc_id))
-            except ContextTooLong as exc:
-                failed[doc_id] = [_row(doc_id, source, q, error=error_value("context_too_long", _too_long(exc)))
-                                  for q in questions]
-                continue
-            jobs.extend((doc_id, source, read) for read in reads)
+            reads, errors = self._plan(doc_id, doc, questions, prompts, fused.get(doc_id))
+            if errors:
+                failed[doc_id] = errors
+            jobs.extend((doc_id, doc["source"], read) for read in reads)
         outputs = self.engine.run([Document(read.ids, [suffixes[i] for i in read.questions], p.max_new_tokens,
                                             read.embeds) for _, _, read in jobs])
         by_doc: dict[str, dict[int, dict]] = {}
@@ -277,13 +266,7 @@ class DecodeGenerate(Stage):
                     kind, _, message = out.error.partition(": ")
                     row = _row(doc_id, source, questions[i], error=error_value(kind, message))
                 else:
-                    row = _row(doc_id, source, questions[i],
-                               answer=self._text(out.tokens),
-                               prompt_tokens=out.prompt_tokens, ttft_s=out.ttft_s,
-                               decode_tokens_per_s=out.decode_tokens_per_s, kv_device_bytes=out.kv_device_bytes,
-                               kv_host_bytes=out.kv_host_bytes, kv_full_bytes=out.kv_full_bytes,
-                               skipped_fraction=0.0, peak_memory_bytes=out.peak_memory_bytes,
-                               pages_used=read.pages_used, truncated=read.truncated)
+                    row = _answered(doc_id, source, questions[i], read, self._text(out.tokens), out)
                 by_doc.setdefault(doc_id, {})[i] = row
         rows: list[dict] = []
         for doc_id in docs:
@@ -296,38 +279,39 @@ class DecodeGenerate(Stage):
             return stopper.text(tokens)
         return self.session.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
-    def _answer_document(self, doc_id: str, source: str | None, pages: list[tuple[int, str]],
-                         questions: list[str], fused: list[tuple[int, Any]] | None = None) -> list[dict]:
+    def _plan(self, doc_id: str, doc: dict[str, Any], questions: list[str], prompts: list[str],
+              fused: list[tuple[int, Any]] | None) -> tuple[list[_Read], list[dict]]:
+        """A document's reads, or its error rows (one per question) when it has no text or cannot fit."""
         from docfuse.runtime.prompt import document_text
         from docfuse.runtime.session import ContextTooLong
+
+        source, pages = doc["source"], doc["pages"]
 
         def errors(kind: str, message: str) -> list[dict]:
             return [_row(doc_id, source, q, error=error_value(kind, message)) for q in questions]
 
-        text = document_text(pages)
-        if not text and not fused:
-            return errors("no_text", f"none of the document's {len(pages)} page(s) has text; image-only pages "
-                                     "need OCR or the fusion stage (trained) before decode.generate")
-        if self.session is None:
-            self.setup()
+        if not document_text(pages) and not fused:
+            return [], errors("no_text", f"none of the document's {len(pages)} page(s) has text; image-only pages "
+                                         "need OCR or the fusion stage (trained) before decode.generate")
+        try:
+            return self._reads(pages, questions, prompts, fused), []
+        except ContextTooLong as exc:
+            return [], errors("context_too_long", _too_long(exc))
+
+    def _answer_document(self, doc_id: str, doc: dict[str, Any], questions: list[str],
+                         fused: list[tuple[int, Any]] | None = None) -> list[dict]:
         p = self.params
         prompts = [p.prompt.format(question=q) for q in questions]
-        try:
-            reads = self._reads(pages, questions, prompts, fused)
-        except ContextTooLong as exc:
-            return errors("context_too_long", _too_long(exc))
+        reads, errors = self._plan(doc_id, doc, questions, prompts, fused)
+        if errors:
+            return errors
         rows: dict[int, dict] = {}
         for read in reads:
             self.session.prefill(read.ids, chunk_size=p.prefill_chunk, embeds=read.embeds)
             for i in read.questions:
                 a = self.session.ask(prompts[i], max_new_tokens=p.max_new_tokens,
                                      safe_mode=self.context.get("safe_mode"))
-                rows[i] = _row(doc_id, source, questions[i], answer=a.text, prompt_tokens=a.prompt_tokens,
-                               ttft_s=a.ttft_s, decode_tokens_per_s=a.decode_tokens_per_s,
-                               kv_device_bytes=a.kv_device_bytes, kv_host_bytes=a.kv_host_bytes,
-                               kv_full_bytes=a.kv_full_bytes, skipped_fraction=a.skipped_fraction,
-                               peak_memory_bytes=a.peak_memory_bytes, pages_used=read.pages_used,
-                               truncated=read.truncated)
+                rows[i] = _answered(doc_id, doc["source"], questions[i], read, a.text, a)
         return [rows[i] for i in range(len(questions))]
 
     def _fused_prefix(self, fused: list[tuple[int, Any]], prompts: list[str]) -> tuple[list[int], Any, bool]:
@@ -405,6 +389,15 @@ class _Read:
     embeds: Any
     pages_used: list[int] | None
     truncated: bool
+
+
+def _answered(doc_id: str, source: str | None, question: str, read: _Read, text: str, m: Any) -> dict:
+    """An answer's row; ``m`` is a ``Session`` Answer or an engine StreamOutput (the same measurement names)."""
+    return _row(doc_id, source, question, answer=text, prompt_tokens=m.prompt_tokens, ttft_s=m.ttft_s,
+                decode_tokens_per_s=m.decode_tokens_per_s, kv_device_bytes=m.kv_device_bytes,
+                kv_host_bytes=m.kv_host_bytes, kv_full_bytes=m.kv_full_bytes,
+                skipped_fraction=getattr(m, "skipped_fraction", 0.0), peak_memory_bytes=m.peak_memory_bytes,
+                pages_used=read.pages_used, truncated=read.truncated)
 
 
 def _too_long(exc: Exception) -> str:
