@@ -21,19 +21,15 @@ import torch
 
 from docfuse.runtime.engine.pool import PagePool, StreamPages
 from docfuse.runtime.gpu import fused_ops
-from docfuse.runtime.gpu.decode_step import FUSED
+from docfuse.runtime.gpu.decode_step import FUSED, llama_decoder
 from docfuse.runtime.gpu.paged_kernel import (HAS_TRITON, paged_decode_attention, paged_kernel_supports,
                                               paged_splits)
 from docfuse.runtime.kv.code_attention import code_attention
 from docfuse.runtime.llama_block import LlamaBlock, norm_eps
 
 
-def step_supported(model: Any) -> bool:
-    """Whether the written-out step knows this model: a decoder of Llama blocks with embeddings, RoPE and a norm."""
-    base = getattr(model, "model", None)
-    if base is None or not all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return False
-    return all(LlamaBlock.fits(block) for block in base.layers)
+#: Whether the step knows the model (the Llama block, q/k norms included): the same test as the batch-1 step's.
+step_supported = llama_decoder
 
 
 class PagedAttention:

@@ -37,13 +37,19 @@ from docfuse.runtime.llama_block import Kernels, LlamaBlock, norm_eps, unwrap
 FUSED = Kernels(fused_ops.add_rms_norm, fused_ops.silu_mul)
 
 
-def explicit_supported(model: Any) -> bool:
-    """Whether :func:`explicit_forward` knows this model's blocks (the Llama block without q/k norms, which the
-    fused RoPE kernel does not apply)."""
+def llama_decoder(model: Any) -> bool:
+    """Whether ``model`` is a decoder of :class:`LlamaBlock`-shaped layers with embeddings, RoPE and a final norm:
+    what a written-out decode step runs (the engine's, :mod:`runtime.engine.step`; q/k norms included)."""
     base = getattr(model, "model", None)
     if base is None or not all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return False
-    return all(LlamaBlock.fits(block) and not hasattr(unwrap(block.self_attn), "q_norm") for block in base.layers)
+    return all(LlamaBlock.fits(block) for block in base.layers)
+
+
+def explicit_supported(model: Any) -> bool:
+    """Whether :func:`explicit_forward` knows this model's blocks (the Llama block without q/k norms, which the
+    fused RoPE kernel does not apply)."""
+    return llama_decoder(model) and not any(hasattr(unwrap(block.self_attn), "q_norm") for block in model.model.layers)
 
 
 def kernel_covers(cache: KernelTieredCache) -> bool:
