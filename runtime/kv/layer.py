@@ -27,8 +27,8 @@ from docfuse.runtime.kv.summaries import group_queries, page_minmax, page_scores
 from docfuse.runtime.kv.votes import nominate, token_votes
 
 ARCHIVE_BLOCK = 256
-#: Re-tier on the device when every exact key is at hand (``_vote_priority_all``, ``_rebuild_from_all``); False takes
-#: the general path (tests compare the two).
+#: Re-tier on the device when every exact key is at hand (the on-device branches of ``vote_priority`` and
+#: ``rebuild``); False takes the general path (tests compare the two).
 ALL_ON_DEVICE = True
 
 
@@ -332,22 +332,42 @@ class TieredLayer(CacheLayerMixin):
 
     def vote_priority(self, queries: torch.Tensor | None, kv_heads: int, page_ids: torch.Tensor,
                       candidates: int, reduce: str) -> torch.Tensor:
-        """Token priority [B, H, length] (host, float64) from the question's attention over the keys it can see.
+        """Token priority [B, H, length] (float64; on the host, or where the keys are when every exact key is at hand)
+        from the question's attention over the keys it can see.
 
         Known keys: the core (exact), the association tier (dequantised codes), and the ``candidates`` background
         tokens per head whose pages the summaries rank highest, promoted exactly from the archive (whole archive
         blocks are read, and every exact key read is used). Tokens with no vote are ordered by their page score below
         every voted token, so the summaries still decide among them.
         """
-        if ALL_ON_DEVICE and self._all is not None and candidates >= self.length:
-            return self._vote_priority_all(queries, kv_heads, page_ids, reduce)
         b, h = self.core_pos.shape[:2]
-        tier = self.membership()
         grouped = self._grouped(queries, kv_heads)
         # Sorting [B, H, length] scores is faster on the accelerator than on the host (sorts stay stable: the same
         # order on either).
         page_score = page_scores(grouped, self.kmin, self.kmax, reduce)
         page_score = page_score.gather(2, page_ids.to(page_score.device).expand(b, h, -1)).double()
+        # Every exact key at hand and every token a candidate (the default, inside a question's exact read): the
+        # priority is computed where the keys are and stays there, with no host round trip (on a GPU a layer's
+        # re-tier was ~15 ms of transfers and synchronisations, bench/RESULTS.md issue 23). Same numbers either way.
+        on_device = ALL_ON_DEVICE and self._all is not None and candidates >= self.length
+        if on_device:
+            full_k, known = self._all[0], torch.ones(b, h, 1, dtype=torch.bool)
+        else:
+            full_k, known = self._known_keys(page_score, candidates)
+        votes = token_votes(grouped, full_k, known.to(self.device), kernel=self.kv.vote_pool)
+        if self.kv.vote_sharing:
+            votes = votes + self.kv.vote_sharing * votes.amax(dim=1, keepdim=True)
+        # Unvoted tokens: below every vote (votes are >= 0), ordered by page score.
+        rank = torch.argsort(torch.argsort(page_score, dim=-1, stable=True), dim=-1, stable=True)
+        votes, rank = (votes.double(), rank.double()) if on_device else (votes.cpu().double(), rank.cpu().double())
+        fallback = -2.0 + rank / max(1, self.length)
+        return torch.where(votes > 0, votes.to(fallback.device), fallback)
+
+    def _known_keys(self, page_score: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-length keys [B, H, length, D] where known, and which are known [B, H, length] (host): the core, the
+        association tier (exact where an archive block was read anyway, else its dequantised codes), and the
+        ``candidates`` background tokens per head whose pages score highest."""
+        tier = self.membership()
         wanted = tier == 0
         if candidates > 0:
             wanted |= nominate(page_score, (tier == 2).to(page_score.device), candidates).cpu()
@@ -365,33 +385,7 @@ class TieredLayer(CacheLayerMixin):
                 mixed = torch.where(fresh.to(self.device).unsqueeze(-1), assoc_k, current)
                 full_k.scatter_(2, idx, mixed)
                 known = filled.clone().scatter_(2, self.assoc_pos, True)
-        votes = token_votes(grouped, full_k, known.to(self.device), kernel=self.kv.vote_pool)
-        if self.kv.vote_sharing:
-            votes = votes + self.kv.vote_sharing * votes.amax(dim=1, keepdim=True)
-        votes = votes.cpu().double()
-        # Unvoted tokens: below every vote (votes are >= 0), ordered by page score.
-        rank = torch.argsort(torch.argsort(page_score, dim=-1, stable=True), dim=-1, stable=True).cpu().double()
-        fallback = -2.0 + rank / max(1, self.length)
-        return torch.where(votes > 0, votes, fallback)
-
-    def _vote_priority_all(self, queries: torch.Tensor | None, kv_heads: int, page_ids: torch.Tensor,
-                           reduce: str) -> torch.Tensor:
-        """``vote_priority`` when every position's exact key is at hand (``reading_all``/``serving``) and every
-        token is a candidate: the same priority, computed where the keys are, with no host round trip (on a GPU the
-        re-tier of a layer was ~15 ms of transfers and synchronisations, bench/RESULTS.md issue 23)."""
-        b, h = self.core_pos.shape[:2]
-        full_k = self._all[0]
-        grouped = self._grouped(queries, kv_heads)
-        page_score = page_scores(grouped, self.kmin, self.kmax, reduce)
-        page_score = page_score.gather(2, page_ids.to(page_score.device).expand(b, h, -1)).double()
-        visible = torch.ones(b, h, 1, dtype=torch.bool, device=full_k.device)
-        votes = token_votes(grouped, full_k, visible, kernel=self.kv.vote_pool)
-        if self.kv.vote_sharing:
-            votes = votes + self.kv.vote_sharing * votes.amax(dim=1, keepdim=True)
-        votes = votes.double()
-        rank = torch.argsort(torch.argsort(page_score, dim=-1, stable=True), dim=-1, stable=True).double()
-        fallback = -2.0 + rank / max(1, self.length)
-        return torch.where(votes > 0, votes.to(fallback.device), fallback)
+        return full_k, known
 
     def _grouped(self, queries: torch.Tensor | None, kv_heads: int) -> torch.Tensor:
         """Queries grouped per KV head [B, H, M, D]; without recorded queries the newest core keys stand in."""
@@ -408,42 +402,30 @@ class TieredLayer(CacheLayerMixin):
         token is ever dropped.
         """
         self._archive_all()
-        if ALL_ON_DEVICE and self._all is not None and not self.kv.differential:
-            self._rebuild_from_all(priority, core, assoc)
-            return
-        order = torch.sort(-priority.to(self.device), dim=-1, stable=True).indices.cpu()
+        # with every exact K/V at hand the order and the gathers stay on the device; only the chosen positions come
+        # back to the host (the same tiers either way)
+        on_device = ALL_ON_DEVICE and self._all is not None
+        order = torch.sort(-priority.to(self.device), dim=-1, stable=True).indices
+        if not on_device:
+            order = order.cpu()
         core_idx = order[..., :core].sort(dim=-1).values
         assoc_idx = order[..., core: core + assoc].sort(dim=-1).values
-        wanted = torch.zeros_like(priority, dtype=torch.bool)
-        wanted.scatter_(2, core_idx, True).scatter_(2, assoc_idx, True)
-        full_k, full_v = self._materialize(wanted)
+        if on_device:
+            full_k, full_v = self._all
+        else:
+            wanted = torch.zeros(priority.shape, dtype=torch.bool)
+            wanted.scatter_(2, core_idx, True).scatter_(2, assoc_idx, True)
+            full_k, full_v = self._materialize(wanted)
         d = full_k.shape[-1]
         ci = _expand(core_idx, d, self.device)
-        self._set_core(full_k.gather(2, ci), full_v.gather(2, ci), core_idx)
-        if assoc:
-            ai = _expand(assoc_idx, d, self.device)
-            pages = page_ids[assoc_idx].to(self.device) if self.kv.differential else None
-            self.assoc = AssociationStore.build(full_k.gather(2, ai), full_v.gather(2, ai), self.kv.association_bits,
-                                                self.kv.group_tokens, pages, self.kv.association_key_bits)
-            self.assoc_pos = assoc_idx
-        else:
-            self.assoc, self.assoc_pos = None, None
-
-    def _rebuild_from_all(self, priority: torch.Tensor, core: int, assoc: int) -> None:
-        """``rebuild`` from the exact K/V at hand: the same tiers, ordered and gathered on the device; only the
-        chosen positions come back to the host."""
-        order = torch.sort(-priority.to(self.device), dim=-1, stable=True).indices
-        core_idx = order[..., :core].sort(dim=-1).values
-        assoc_idx = order[..., core: core + assoc].sort(dim=-1).values
-        full_k, full_v = self._all
-        d = full_k.shape[-1]
-        ci = core_idx.unsqueeze(-1).expand(-1, -1, -1, d)
         self._set_core(full_k.gather(2, ci), full_v.gather(2, ci), core_idx.cpu())
         if assoc:
-            ai = assoc_idx.unsqueeze(-1).expand(-1, -1, -1, d)
+            ai = _expand(assoc_idx, d, self.device)
+            assoc_pos = assoc_idx.cpu()
+            pages = page_ids[assoc_pos].to(self.device) if self.kv.differential else None
             self.assoc = AssociationStore.build(full_k.gather(2, ai), full_v.gather(2, ai), self.kv.association_bits,
-                                                self.kv.group_tokens, None, self.kv.association_key_bits)
-            self.assoc_pos = assoc_idx.cpu()
+                                                self.kv.group_tokens, pages, self.kv.association_key_bits)
+            self.assoc_pos = assoc_pos
         else:
             self.assoc, self.assoc_pos = None, None
 
