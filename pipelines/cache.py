@@ -46,6 +46,7 @@ class StageCache:
         self.hits = 0
         self.writes = 0
         self.evicted = 0
+        self._total: int | None = None  # bytes held, counted once from disk and then kept up to date by put()
 
     def _path(self, stage: str, key: str) -> Path:
         assert self.root is not None
@@ -83,7 +84,12 @@ class StageCache:
             Path(tmp).unlink(missing_ok=True)
             raise
         self.writes += 1
-        self._evict(keep=path)
+        if self._total is None:
+            self._total = sum(size for _, size, _ in self.entries())
+        else:
+            self._total += path.stat().st_size
+        if self._total > self.max_bytes:  # only then walk the folder (another process may have written too)
+            self._evict(keep=path)
 
     def entries(self) -> list[tuple[Path, int, float]]:
         """Every entry as (path, bytes, last use), oldest first."""
@@ -109,6 +115,7 @@ class StageCache:
             path.unlink(missing_ok=True)
             total -= size
             self.evicted += 1
+        self._total = total
 
     def info(self) -> dict[str, tuple[int, int]]:
         """Per stage: (entries, bytes)."""
@@ -125,4 +132,5 @@ class StageCache:
             if stage is None or path.parent.name == stage:
                 path.unlink(missing_ok=True)
                 removed, freed = removed + 1, freed + size
+        self._total = None
         return removed, freed
