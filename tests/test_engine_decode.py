@@ -170,7 +170,9 @@ def kernel_vs_reference() -> float:
 
                 store = AssociationStore.build(torch.randn(1, 2, n_assoc, 32) * 2, torch.randn(1, 2, n_assoc, 32),
                                                bits, 32, key_bits=key_bits)
-                pool._load_assoc(0, store, assoc)
+                padded = store.keys.codes.shape[2]
+                pool._load_assoc(0, store, pool.rows(assoc, padded), pool.rows(assoc, padded // 32, 1),
+                                 pool.rows(assoc, n_assoc))
             streams.append(pages)
         step = BatchStep.__new__(BatchStep)
         step.pool, step.rows = pool, streams + [None]

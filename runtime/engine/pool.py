@@ -164,30 +164,43 @@ class PagePool:
         s = self.shape
         core, assoc = self.allocate(pages_for(n_core + core_extra, s.page), pages_for(n_assoc, s.page))
         stream = StreamPages(core, assoc, n_core, n_assoc)
+        # pool rows of the stream's tokens (and key scale groups): the same in every layer, computed once
         core_rows = self.rows(core, n_core)
+        padded = first.assoc.keys.codes.shape[2] if n_assoc else 0
+        assoc_rows = (self.rows(assoc, padded), self.rows(assoc, padded // s.group, s.page // s.group),
+                      self.rows(assoc, n_assoc)) if n_assoc else None
         for i, layer in enumerate(cache.layers):
-            if (layer.n_core, layer.n_assoc) != (n_core, n_assoc) or layer.keys.shape[0] != 1:
+            problem = self._mismatch(layer, n_core, n_assoc, padded)
+            if problem:
                 self.release(stream)
-                raise ValueError("every layer of a stream must hold the same tier sizes, one batch row")
+                raise ValueError(problem)
             self.core_k[i].index_copy_(0, core_rows, layer.keys[0, :, :n_core].transpose(0, 1).to(s.dtype))
             self.core_v[i].index_copy_(0, core_rows, layer.values[0, :, :n_core].transpose(0, 1).to(s.dtype))
             if n_assoc:
-                self._load_assoc(i, layer.assoc, assoc)
+                self._load_assoc(i, layer.assoc, *assoc_rows)
         return stream
 
-    def _load_assoc(self, i: int, store: AssociationStore, pages: list[int]) -> None:
-        s = self.shape
+    def _mismatch(self, layer, n_core: int, n_assoc: int, padded: int) -> str | None:
+        """Why a layer's tiers cannot go into this stream's pages (None: they can)."""
+        if (layer.n_core, layer.n_assoc) != (n_core, n_assoc) or layer.keys.shape[0] != 1:
+            return "every layer of a stream must hold the same tier sizes, one batch row"
+        if not n_assoc:
+            return None
+        s, store = self.shape, layer.assoc
         k, v = store.keys, store.values
         if store.anchor_index is not None or (k.bits, v.bits, k.group, v.group) != (s.key_bits, s.value_bits,
                                                                                     s.group, s.vgroup):
-            raise ValueError("the association tier does not match the pool's encoding (bits, groups, not differential)")
-        padded = k.codes.shape[2]
-        key_rows = self.rows(pages, padded)
+            return "the association tier does not match the pool's encoding (bits, groups, not differential)"
+        if k.codes.shape[2] != padded:
+            return "every layer of a stream must pad its key codes alike"
+        return None
+
+    def _load_assoc(self, i: int, store: AssociationStore, key_rows: torch.Tensor, group_rows: torch.Tensor,
+                    value_rows: torch.Tensor) -> None:
+        k, v = store.keys, store.values
         self.key_codes[i].index_copy_(0, key_rows, k.codes[0].transpose(0, 1))
-        group_rows = self.rows(pages, padded // s.group, s.page // s.group)
         self.key_scale[i].index_copy_(0, group_rows, k.scale[0, :, :, 0].transpose(0, 1))
         self.key_zero[i].index_copy_(0, group_rows, k.zero[0, :, :, 0].transpose(0, 1))
-        value_rows = self.rows(pages, v.length)
         self.value_codes[i].index_copy_(0, value_rows, v.codes[0, :, : v.length].transpose(0, 1))
         self.value_scale[i].index_copy_(0, value_rows, v.scale[0, :, : v.length, :, 0].transpose(0, 1))
         self.value_zero[i].index_copy_(0, value_rows, v.zero[0, :, : v.length, :, 0].transpose(0, 1))
