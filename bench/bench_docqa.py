@@ -124,12 +124,21 @@ def answer(questions: list[dict], rows: list[dict], args) -> dict:
         got = (row["answer"] or "").lower()
         out.append({"question": r["question"], "reference": r["answer"], "answer": row["answer"],
                     "contained": str(r["answer"]).lower() in got, "seconds": seconds,
-                    "pages_used": row["pages_used"], "evidence": r["evidence"],
+                    "pages_used": row["pages_used"], "evidence": r["evidence"], "cited_pages": row["cited_pages"],
+                    "evidence_cited": bool(set(row["cited_pages"] or []) & set(r["evidence"])),
+                    # a page drawn at random from those read holds the evidence this often: the citation's anchor
+                    "evidence_by_chance": len(set(row["pages_used"] or []) & set(r["evidence"]))
+                    / max(1, len(row["pages_used"] or [])),
                     "answer_words": len((row["answer"] or "").split()),
                     "new_tokens_at_limit": _at_limit(row)})
-        print(f"{seconds:5.1f}s contained={out[-1]['contained']} ref={r['answer']!r} got={row['answer']!r:.120}",
+        print(f"{seconds:5.1f}s contained={out[-1]['contained']} cited={row['cited_pages']} evidence={r['evidence']} "
+              f"ref={r['answer']!r} got={row['answer']!r:.120}",
               flush=True)
+    read = [o for o in out if set(o["pages_used"] or []) & set(o["evidence"])]  # citable: the evidence was read
     return {"n": len(out), "stop": args.stop, "contained": sum(o["contained"] for o in out),
+            "evidence_read": len(read), "evidence_cited": sum(o["evidence_cited"] for o in read),
+            "evidence_cited_by_chance": sum(o["evidence_by_chance"] for o in read),
+            "cited_pages_median": statistics.median(len(o["cited_pages"] or []) for o in out) if out else None,
             "at_token_limit": sum(o["new_tokens_at_limit"] for o in out),
             "answer_words_median": statistics.median(o["answer_words"] for o in out) if out else None,
             "seconds_median": statistics.median(o["seconds"] for o in out) if out else None, "rows": out}

@@ -13,6 +13,10 @@ Three verbs:
         compares every config with ``full`` per half: planted facts that the full cache answers and the config
         loses, exact agreement and token F1 with the full cache's answer, device share, decode speed, time to first
         token and the re-tier's share of it.
+    python bench/bench_fidelity.py speed --cases DIR --configs full-fp32,k8v4-fp32,... [--docs 2] [--rounds 2]
+        decode speed and time to first token on the check half's longest documents, every config in one process,
+        in turns (the first config, the anchor, runs first and last in each round): ratios, not figures from
+        different runs on a shared machine.
 
 The re-tier time comes from a timing wrapper around Session's question step (behaviour unchanged).
 """
@@ -31,7 +35,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: on a lent GPU the installed docfuse must win
 
 from bench.common import machine, save  # noqa: E402
 
@@ -79,10 +83,12 @@ CONFIGS["full-fp32"] = None
 CONFIGS["full-chunk256-fp32"] = None
 CONFIGS["default-fp32"] = {}
 CONFIGS["assoc-all-8bit-fp32"] = dict(CONFIGS["assoc-all-8bit"])
+CONFIGS["k8v4-fp32"] = dict(CONFIGS["k8v4"])
 EXTRA: dict[str, dict[str, Any]] = {"full-chunk256": {"prefill_chunk": 256}, "full-fp32": {"dtype": "float32"},
                                     "full-chunk256-fp32": {"prefill_chunk": 256, "dtype": "float32"},
                                     "default-fp32": {"dtype": "float32"},
-                                    "assoc-all-8bit-fp32": {"dtype": "float32"}}
+                                    "assoc-all-8bit-fp32": {"dtype": "float32"},
+                                    "k8v4-fp32": {"dtype": "float32"}}
 
 
 def log(*parts: object) -> None:
@@ -239,6 +245,58 @@ def run(cases_dir: Path, names: list[str], half: str | None, parallel: int, devi
                 log(name, "finished", proc.returncode)
 
 
+def speed(cases_dir: Path, names: list[str], docs: int, rounds: int, device: str, new_tokens: int = 48
+          ) -> dict[str, Any]:
+    """Per config: decode tokens/s and times to the first token over the ``docs`` longest check documents (all of
+    each one's questions from one prefill, ``new_tokens`` each, end-of-sequence ignored so every answer decodes the
+    same length). The anchor (first config) runs again at the end of each round, so drift shows."""
+    from docfuse.pipelines import Pipeline
+
+    retier_times = _timed_retiers()
+    cases = sorted((c for c in json.loads((cases_dir / "cases.json").read_text()) if c["half"] == "check"),
+                   key=lambda c: -c["tokens"])[:docs]
+    order = names + names[:1]
+    rows: dict[str, list[dict]] = {n: [] for n in names}
+    for _ in range(rounds):
+        for name in order:
+            base = Pipeline.from_yaml("pdf_qa_text")
+            for key, value in {"max_new_tokens": new_tokens, "device": device, "kv": CONFIGS[name], "stop": None,
+                               "ignore_eos": True, **EXTRA.get(name, {})}.items():
+                base.set(f"answer.{key}", value)
+            for case in cases:
+                pipeline = base.copy()
+                pipeline.set("params.questions", case["questions"])
+                before = len(retier_times)
+                out = pipeline.run([str(cases_dir / case["pdf"])], errors="raise").tables["answer"].to_pylist()
+                steps = retier_times[before:]
+                for i, row in enumerate(out):
+                    row["retier_s"] = steps[i] if len(steps) == len(out) else None
+                    rows[name].append({"case": case["id"], "index": i, **row})
+            log(name, "round done", round(mean(r["decode_tokens_per_s"] for r in rows[name]), 2), "tok/s")
+    result: dict[str, Any] = {"device": device, "docs": [c["id"] for c in cases],
+                              "tokens": [c["tokens"] for c in cases], "new_tokens": new_tokens, "configs": {}}
+    anchor = names[0]
+    for name, got in rows.items():
+        later = [r for r in got if r["index"] > 0]
+        retier = [r for r in later if r["retier_s"] is not None]
+        result["configs"][name] = {
+            "decode_tokens_per_s": mean(r["decode_tokens_per_s"] for r in got),
+            "ttft_first_s": mean(r["ttft_s"] for r in got if r["index"] == 0),
+            "ttft_later_s": mean(r["ttft_s"] for r in later) if later else None,
+            "retier_share_of_ttft_later": mean(r["retier_s"] / r["ttft_s"] for r in retier) if retier else None,
+            "device_share": mean(r["kv_device_bytes"] / r["kv_full_bytes"] for r in got),
+        }
+    a = result["configs"][anchor]
+    print(f"| config | decode tok/s | x {anchor} | TTFT first s | TTFT later s | re-tier share of later TTFT | share |")
+    print("|---|---|---|---|---|---|---|")
+    for name, c in result["configs"].items():
+        share = c["retier_share_of_ttft_later"]
+        print(f"| {name} | {c['decode_tokens_per_s']:.2f} | {c['decode_tokens_per_s'] / a['decode_tokens_per_s']:.2f} "
+              f"| {c['ttft_first_s']:.2f} | {c['ttft_later_s'] or 0:.2f} | {'-' if share is None else f'{share:.2f}'} "
+              f"| {c['device_share']:.3f} |")
+    return result
+
+
 # ---- report ------------------------------------------------------------------------------------------------------
 def _words(text: str) -> list[str]:
     return re.findall(r"\w+", (text or "").lower())
@@ -322,9 +380,10 @@ def report(cases_dir: Path, out_name: str | None, device: str) -> dict[str, Any]
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if rows:  # a config's shards land in one list
             answers.setdefault(rows[0]["config"], []).extend(rows)
-    if "full" not in answers:
-        raise SystemExit(f"no answers-full.jsonl in {cases_dir}: run the full config first")
-    halves = sorted({r["half"] for r in answers["full"]})
+    anchor = "full" if "full" in answers else "full-fp32"  # a float32-only run is held against full-fp32
+    if anchor not in answers:
+        raise SystemExit(f"no answers-full.jsonl (or answers-full-fp32) in {cases_dir}: run the full config first")
+    halves = sorted({r["half"] for r in answers[anchor]})
     result = {"device": device, "configs": {n: CONFIGS.get(n) for n in answers},
               "generators": dict(Counter(c["generator"] for c in cases)),
               "questions_per_half": {h: sum(len(c["questions"]) for c in cases if c["half"] == h) for h in halves},
@@ -366,6 +425,13 @@ def main() -> None:
         else:
             r.add_argument("--config", required=True)
             r.add_argument("--shard", default="0/1", help="i/n: every n-th case from the i-th")
+    sp = sub.add_parser("speed")
+    sp.add_argument("--cases", type=Path, required=True)
+    sp.add_argument("--configs", default="full,default")
+    sp.add_argument("--docs", type=int, default=2)
+    sp.add_argument("--rounds", type=int, default=2)
+    sp.add_argument("--device", default="cpu")
+    sp.add_argument("--out", default=None, help="name under bench/results/ (without .json)")
     p = sub.add_parser("report")
     p.add_argument("--cases", type=Path, required=True)
     p.add_argument("--out", default=None, help="name under bench/results/ (without .json)")
@@ -378,6 +444,10 @@ def main() -> None:
     elif a.verb == "one":
         i, n = (int(x) for x in a.shard.split("/"))
         run_config(a.cases, a.config, a.half, a.device, (i, n))
+    elif a.verb == "speed":
+        result = speed(a.cases, a.configs.split(","), a.docs, a.rounds, a.device)
+        if a.out:
+            save(a.out, result)
     else:
         report(a.cases, a.out, a.device)
 

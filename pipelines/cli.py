@@ -216,6 +216,8 @@ def ask(
             err.print(f"[bold red]{row['error']}[/]", highlight=False)
         else:
             typer.echo("" if streamed else row.get("answer", ""))  # streamed: the answer is on the screen already
+            if row.get("cited_pages"):  # counted from 1, as a reader counts
+                typer.echo(f"(pages {', '.join(str(p + 1) for p in row['cited_pages'])})")
             if row.get("skipped_fraction"):
                 err.print(f"[yellow]pruning skipped {row['skipped_fraction']:.0%} of the decode's blocks: it is "
                           "experimental and can change answers; --set params.safe_mode=true decodes dense[/]",

@@ -73,6 +73,8 @@ class Answer:
     peak_memory_bytes: int
     skipped_fraction: float = 0.0
     finish_reason: str = "eos"  # eos | length | stop (a stop string or a repeat, see runtime.stopping)
+    #: 0-based pages the answer's attention rests on (runtime.citations); None where not recorded.
+    cited_pages: list[int] | None = None
 
 
 def context_limit(model: Any) -> int:
@@ -117,7 +119,7 @@ class Session:
 
     def __init__(self, model: Any, tokenizer: Any, prompt: ChatPrompt | None = None,
                  max_context: int | None = None, kv: KVConfig | dict | None = None,
-                 pruning: PruningConfig | dict | None = None, stop: Any = None) -> None:
+                 pruning: PruningConfig | dict | None = None, stop: Any = None, cite: bool = False) -> None:
         """``max_context`` lowers the context window below the model's (to bound memory, or in tests).
 
         ``kv``: None for a plain full cache, else the tiered cache's budgets (a KVConfig or its dict).
@@ -125,6 +127,8 @@ class Session:
         a model without a calibrated head decodes dense and says so once.
         ``stop``: None to stop only at end-of-sequence, else stop strings and the repetition stop
         (runtime.stopping.StopConfig or its dict).
+        ``cite``: fill each answer's ``cited_pages`` from its attention over the document (runtime.citations; a
+        full cache only: the tiered cache leaves it None).
         """
         self.kv = as_kv_config(kv) if kv is not None else None
         self.model = model
@@ -142,6 +146,9 @@ class Session:
         self._cache_kwarg = cache_kwarg(model)
         self.cache: Any = None
         self.prefix_length = 0
+        self.prefix_ids: list[int] = []
+        self.cite = cite
+        self._citer: Any = None  # runtime.citations.Citer of the prefilled document, made at its first citation
         #: How many document prefills this session ran (one per document, however many questions).
         self.document_prefills = 0
         self.document_prefill_s = 0.0
@@ -195,6 +202,8 @@ class Session:
         fill_cache(self.model, self.cache, ids, chunk_size, embeds,
                    layers=self.kv is not None and self.kv.prefill == "layers", writer=self._writer)
         self.prefix_length = self.cache.get_seq_length()
+        self.prefix_ids = ids
+        self._citer = None
         self.document_prefill_s = metrics.now(self.device) - started
         self.document_prefills += 1
         self._charge_prefill = True
@@ -294,6 +303,16 @@ class Session:
         else:
             kv_device, kv_host = metrics.kv_bytes(self.cache), 0
             kv_full = metrics.full_kv_bytes(self.model.config, seq, self.model.dtype)
+        peak = metrics.peak_memory_bytes(self.device)
+        cited = None  # after the accounting: the citation pass crops the cache
+        if self.cite and not tiered and generated:
+            from docfuse.runtime.citations import Citer
+
+            if prune:
+                self.pruner.mode = "off"  # the citation pass reads every block
+            if self._citer is None:
+                self._citer = Citer(self.model, self.tokenizer, self.prompt, self.prefix_ids)
+            cited = self._citer.cite(self.cache, suffix, generated)
         return Answer(
             question=question,
             text=self._text(generated),
@@ -304,9 +323,10 @@ class Session:
             kv_device_bytes=kv_device,
             kv_host_bytes=kv_host,
             kv_full_bytes=kv_full,
-            peak_memory_bytes=metrics.peak_memory_bytes(self.device),
+            peak_memory_bytes=peak,
             skipped_fraction=self.pruner.skipped_fraction if prune else 0.0,
             finish_reason=finish,
+            cited_pages=cited,
         )
 
     def _text(self, generated: list[int]) -> str:

@@ -49,6 +49,8 @@ class DecodeParams(StageParams):
                             "batch decodes together over paged tiers. auto = on CUDA with a kv: block it serves; "
                             "on = also on the CPU; off = one question at a time (runtime.session)")
     max_streams: int = Field(64, gt=0, description="most (document, question) streams the engine decodes at once")
+    cite: bool = Field(True, description="fill cited_pages: the pages the answer's own attention drew on most "
+                                         "(one extra forward of the answer's tokens; a full cache only, kv: null)")
     ignore_eos: bool = Field(False, description="decode max_new_tokens for every answer, past end-of-sequence "
                                                 "(benchmarks)")
 
@@ -107,7 +109,7 @@ class DecodeGenerate(Stage):
     """Answer the pipeline's question(s) about each document from its page text, one prefill per document."""
 
     kind = "decode.generate"
-    version = "2"
+    version = "3"
     Params = DecodeParams
     inputs: ClassVar[dict[str, pa.Schema]] = {
         "pages": pa.schema([schemas.PAGE_TEXT.field(name) for name in PAGE_COLUMNS]),
@@ -131,7 +133,7 @@ class DecodeGenerate(Stage):
         model, tokenizer = shared_model(p.model, p.dtype, p.device)
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
-                               pruning=p.pruning, stop=p.stop)
+                               pruning=p.pruning, stop=p.stop, cite=p.cite)
         if p.ignore_eos:
             self.session.stop_ids = set()
         wanted = p.engine == "on" or (p.engine == "auto" and self.session.device.type == "cuda" and p.kv is not None)
@@ -397,7 +399,7 @@ def _answered(doc_id: str, source: str | None, question: str, read: _Read, text:
                 decode_tokens_per_s=m.decode_tokens_per_s, kv_device_bytes=m.kv_device_bytes,
                 kv_host_bytes=m.kv_host_bytes, kv_full_bytes=m.kv_full_bytes,
                 skipped_fraction=getattr(m, "skipped_fraction", 0.0), peak_memory_bytes=m.peak_memory_bytes,
-                pages_used=read.pages_used, truncated=read.truncated)
+                pages_used=read.pages_used, truncated=read.truncated, cited_pages=getattr(m, "cited_pages", None))
 
 
 def _too_long(exc: Exception) -> str:

@@ -68,6 +68,7 @@ QA = pa.schema(DOC + [
     pa.field("peak_memory_bytes", pa.int64()),
     pa.field("pages_used", pa.list_(pa.int32())),
     pa.field("truncated", pa.bool_()),
+    pa.field("cited_pages", pa.list_(pa.int32())),
     ERROR,
 ])
 

@@ -19,7 +19,7 @@ DOCFUSE = str(Path(sys.executable).parent / "docfuse")
 EXTRACT_COLUMNS = ["doc_id", "source", "page", "text", "image_only", "n_words", "error"]
 QA_COLUMNS = ["doc_id", "source", "question", "answer", "prompt_tokens", "ttft_s", "decode_tokens_per_s",
               "kv_device_bytes", "kv_host_bytes", "kv_full_bytes", "skipped_fraction", "peak_memory_bytes", "pages_used",
-              "truncated", "error"]
+              "truncated", "cited_pages", "error"]
 
 
 def docfuse(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -110,10 +110,11 @@ def test_validate_and_stages_commands(tmp_path):
 def test_ask_answers_from_the_sample_pdf():
     res = docfuse("ask", "data/sample.pdf", "What is the monthly fee?", "--no-cache")
     assert res.returncode == 0, res.stderr
-    assert "4,250" in res.stdout
+    assert "4,250" in res.stdout and "(pages 1" in res.stdout  # the fee is on the first page, counted from 1
     res = docfuse("ask", "data/sample.pdf", "What is the monthly fee?", "--no-cache", "--json", "--max-new-tokens", "12")
     row = json.loads(res.stdout)
     assert res.returncode == 0 and "4,250" in row["answer"] and row["pages_used"] and row["truncated"] is False
+    assert row["cited_pages"] and row["cited_pages"][0] == 0
     assert len(row["answer"].split()) <= 12
 
 

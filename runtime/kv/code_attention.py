@@ -143,7 +143,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any
                       ) -> tuple[torch.Tensor, None]:
     """transformers attention function: the handed-over layer's own ``decode_attention`` for a one-token step
-    (``TieredLayer``: :func:`code_attention`; ``runtime.gpu.KernelTieredLayer``: the Triton kernel), else SDPA.
+    (``TieredLayer``: :func:`code_attention`; ``runtime.gpu.KernelTieredLayer``: the Triton kernel), else SDPA
+    (which also feeds ``runtime.citations`` while it records an answer's attention).
 
     The handed-over path applies no mask: it serves unpadded decoding (``Session``), where a one-token step may
     see every cached token.
@@ -153,6 +154,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return layer.decode_attention(query, scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from docfuse.runtime import citations
+
+    if citations.recording_active():
+        citations.record_forward(module, query, key)
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
@@ -172,34 +178,49 @@ _swaps_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def reading_codes(model: torch.nn.Module, cache: Any) -> Iterator[bool]:
-    """Inside: one-token steps of ``cache`` (a TieredCache) attend to the packed codes directly.
+def swapped_attention(model: torch.nn.Module) -> Iterator[bool]:
+    """Inside: the model's attention is :func:`attention_forward` (for a model on SDPA; yields whether it is on).
 
-    Only for a model on SDPA (its attention is swapped for :func:`attention_forward`, which falls back to SDPA for
-    everything else) and unpadded batches; yields whether it is on. The model's attention comes back when the last
-    decode inside ``reading_codes`` on it ends (decodes in threads may overlap).
-    """
+    The swap is counted per model config, so decodes in threads may overlap: the model's own attention comes back
+    when the last one inside ends."""
     config = model.config
     with _swaps_lock:
         swap = _swaps.get(id(config))
-        on = hasattr(cache, "layers") and (swap is not None or config._attn_implementation == "sdpa")
+        on = swap is not None or config._attn_implementation == "sdpa"
         if on:
             if swap is None:
                 swap = _swaps[id(config)] = [0, config._attn_implementation]
                 config._attn_implementation = register()
             swap[0] += 1
-    if on:
-        for layer in cache.layers:
-            layer.read_codes = True
     try:
         yield on
     finally:
         if on:
-            for layer in cache.layers:
-                layer.read_codes = False
-            getattr(_handover, "layers", {}).clear()
             with _swaps_lock:
                 swap[0] -= 1
                 if swap[0] == 0:
                     config._attn_implementation = swap[1]
                     del _swaps[id(config)]
+
+
+@contextlib.contextmanager
+def reading_codes(model: torch.nn.Module, cache: Any) -> Iterator[bool]:
+    """Inside: one-token steps of ``cache`` (a TieredCache) attend to the packed codes directly.
+
+    Only for a model on SDPA (its attention is swapped for :func:`attention_forward`, which falls back to SDPA for
+    everything else) and unpadded batches; yields whether it is on.
+    """
+    if not hasattr(cache, "layers"):
+        yield False
+        return
+    with swapped_attention(model) as on:
+        if on:
+            for layer in cache.layers:
+                layer.read_codes = True
+        try:
+            yield on
+        finally:
+            if on:
+                for layer in cache.layers:
+                    layer.read_codes = False
+                getattr(_handover, "layers", {}).clear()
