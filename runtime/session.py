@@ -55,6 +55,25 @@ class ContextTooLong(ValueError):
             f"the model holds {limit}")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Temperature and nucleus (top-p) sampling; temperature 0 is greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def draw(self, logits: torch.Tensor, rng: torch.Generator | None) -> int:
+        """One token id from ``logits`` (the last position's): the smallest set of most likely tokens whose
+        probability reaches ``top_p`` (always the most likely one), renormalised, at ``temperature``."""
+        probs = (logits.float().flatten().cpu() / self.temperature).softmax(-1)
+        ordered, ids = probs.sort(descending=True)
+        keep = (ordered.cumsum(-1) - ordered) < self.top_p  # a token is kept while the mass before it is short
+        keep[0] = True
+        ordered = ordered * keep
+        return int(ids[torch.multinomial(ordered / ordered.sum(), 1, generator=rng)])
+
+
 @dataclass
 class Answer:
     """One question's answer and its measurements."""
@@ -119,7 +138,8 @@ class Session:
 
     def __init__(self, model: Any, tokenizer: Any, prompt: ChatPrompt | None = None,
                  max_context: int | None = None, kv: KVConfig | dict | None = None,
-                 pruning: PruningConfig | dict | None = None, stop: Any = None, cite: bool = False) -> None:
+                 pruning: PruningConfig | dict | None = None, stop: Any = None, cite: bool = False,
+                 sampling: Sampling | None = None) -> None:
         """``max_context`` lowers the context window below the model's (to bound memory, or in tests).
 
         ``kv``: None for a plain full cache, else the tiered cache's budgets (a KVConfig or its dict).
@@ -127,6 +147,8 @@ class Session:
         a model without a calibrated head decodes dense and says so once.
         ``stop``: None to stop only at end-of-sequence, else stop strings and the repetition stop
         (runtime.stopping.StopConfig or its dict).
+        ``sampling``: None (or temperature 0) for greedy decoding, else temperature and top-p sampling, seeded
+        per question so the same question over the same document gives the same answer run after run.
         ``cite``: fill each answer's ``cited_pages`` from its attention over the document (runtime.citations; a
         full cache only: the tiered cache leaves it None).
         """
@@ -148,6 +170,8 @@ class Session:
         self.prefix_length = 0
         self.prefix_ids: list[int] = []
         self.cite = cite
+        self.sampling = sampling if sampling is not None and sampling.temperature > 0 else None
+        self._rng: torch.Generator | None = None
         self._citer: Any = None  # runtime.citations.Citer of the prefilled document, made at its first citation
         #: How many document prefills this session ran (one per document, however many questions).
         self.document_prefills = 0
@@ -263,7 +287,9 @@ class Session:
 
     def _decode(self, question: str, suffix: list[int], max_new_tokens: int, prune: bool, tiered: bool,
                 started: float, first: torch.Tensor | None = None) -> Answer:
-        token = int((self._forward(suffix) if first is None else first).argmax())
+        if self.sampling is not None:  # a fresh generator per question: answers repeat run after run
+            self._rng = torch.Generator().manual_seed(self.sampling.seed)
+        token = self._pick(self._forward(suffix) if first is None else first)
         ttft = time.perf_counter() - started  # argmax().item() waited for the device
         if tiered and hasattr(self.cache, "start_decode"):
             self.cache.start_decode()
@@ -291,7 +317,7 @@ class Session:
             if len(generated) >= max_new_tokens:
                 finish = "length"
                 break
-            token = int(self._forward([token]).argmax())
+            token = self._pick(self._forward([token]))
             steps += 1
             if tiered:
                 self.cache.maybe_retier()
@@ -328,6 +354,12 @@ class Session:
             finish_reason=finish,
             cited_pages=cited,
         )
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        """The next token: the most likely (greedy), or a draw from the top-p share at the temperature."""
+        if self.sampling is None:
+            return int(logits.argmax())
+        return self.sampling.draw(logits, self._rng)
 
     def _text(self, generated: list[int]) -> str:
         """The answer's text: cut at a stop string or before a repeat when ``stop`` is set."""

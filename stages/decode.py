@@ -49,6 +49,12 @@ class DecodeParams(StageParams):
                             "batch decodes together over paged tiers. auto = on CUDA with a kv: block it serves; "
                             "on = also on the CPU; off = one question at a time (runtime.session)")
     max_streams: int = Field(64, gt=0, description="most (document, question) streams the engine decodes at once")
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy decoding (the default); above 0, "
+                                                                "answers are sampled at this temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="with temperature > 0: sample from the most likely tokens "
+                                                          "that hold this share of the probability")
+    seed: int = Field(0, ge=0, description="with temperature > 0: the sampler's seed (per question, so answers "
+                                           "repeat run after run)")
     cite: bool = Field(True, description="fill cited_pages: the pages the answer's own attention drew on most "
                                          "(one extra forward of the answer's tokens; a full cache only, kv: null)")
     ignore_eos: bool = Field(False, description="decode max_new_tokens for every answer, past end-of-sequence "
@@ -126,19 +132,21 @@ class DecodeGenerate(Stage):
     def setup(self) -> None:
         from docfuse.runtime.engine import Engine, engine_unsupported
         from docfuse.runtime.prompt import DEFAULT_SYSTEM, ChatPrompt
-        from docfuse.runtime.session import Session
+        from docfuse.runtime.session import Sampling, Session
         from docfuse.stages.models import shared_model
 
         p = self.params
         model, tokenizer = shared_model(p.model, p.dtype, p.device)
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
-                               pruning=p.pruning, stop=p.stop, cite=p.cite)
+                               pruning=p.pruning, stop=p.stop, cite=p.cite,
+                               sampling=Sampling(p.temperature, p.top_p, p.seed) if p.temperature > 0 else None)
         if p.ignore_eos:
             self.session.stop_ids = set()
         wanted = p.engine == "on" or (p.engine == "auto" and self.session.device.type == "cuda" and p.kv is not None)
         if wanted:
-            self.engine_note = engine_unsupported(model, p.kv, p.pruning)
+            self.engine_note = engine_unsupported(model, p.kv, p.pruning) or (
+                "temperature > 0 (the engine decodes greedily)" if p.temperature > 0 else None)
             if self.engine_note is None:
                 stopper = self.session.stopper
                 self.engine = Engine(model, p.kv, self.session.stop_ids, max_streams=p.max_streams,
