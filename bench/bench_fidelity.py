@@ -176,26 +176,28 @@ def torch_cuda_ready() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+def config_pipeline(name: str, device: str, **answer: Any) -> Any:
+    """``pdf_qa_text`` with the config's ``kv:`` block and other settings, on ``device``, plus ``answer`` settings."""
+    from docfuse.pipelines import Pipeline
+
+    pipeline = Pipeline.from_yaml("pdf_qa_text")
+    # the recorded runs (bench/RESULTS.md, issue 29) decoded to end-of-sequence or the token limit; issue 26's stop
+    # rules would shorten both sides' answers and change what agreement means
+    for key, value in {"device": device, "kv": CONFIGS[name], "stop": None, **answer, **EXTRA.get(name, {})}.items():
+        pipeline.set(f"answer.{key}", value)
+    return pipeline
+
+
 def run_config(cases_dir: Path, name: str, half: str | None, device: str, shard: tuple[int, int] = (0, 1)) -> Path:
     """Every case of ``half`` (or both) through pdf_qa_text with the config's kv block; answers to a JSONL file.
     ``shard`` (i, n) takes every n-th case from the i-th, so n processes share one config."""
-    from docfuse.pipelines import Pipeline
-
     kv = CONFIGS[name]
     retier_times = _timed_retiers()
     cases = [c for c in json.loads((cases_dir / "cases.json").read_text()) if half in (None, c["half"])]
     i, n = shard
     cases = cases[i::n]
     out = cases_dir / (f"answers-{name}.jsonl" if n == 1 else f"answers-{name}.s{i}of{n}.jsonl")
-    base = Pipeline.from_yaml("pdf_qa_text")
-    base.set("answer.max_new_tokens", MAX_NEW_TOKENS)
-    base.set("answer.device", device)
-    base.set("answer.kv", kv)
-    # the recorded runs (bench/RESULTS.md, issue 29) decoded to end-of-sequence or the token limit; issue 26's stop
-    # rules would shorten both sides' answers and change what agreement means
-    base.set("answer.stop", None)
-    for key, value in EXTRA.get(name, {}).items():
-        base.set(f"answer.{key}", value)
+    base = config_pipeline(name, device, max_new_tokens=MAX_NEW_TOKENS)
     with out.open("w") as f:
         for n, case in enumerate(cases):
             pipeline = base.copy()
@@ -250,8 +252,6 @@ def speed(cases_dir: Path, names: list[str], docs: int, rounds: int, device: str
     """Per config: decode tokens/s and times to the first token over the ``docs`` longest check documents (all of
     each one's questions from one prefill, ``new_tokens`` each, end-of-sequence ignored so every answer decodes the
     same length). The anchor (first config) runs again at the end of each round, so drift shows."""
-    from docfuse.pipelines import Pipeline
-
     retier_times = _timed_retiers()
     cases = sorted((c for c in json.loads((cases_dir / "cases.json").read_text()) if c["half"] == "check"),
                    key=lambda c: -c["tokens"])[:docs]
@@ -259,10 +259,7 @@ def speed(cases_dir: Path, names: list[str], docs: int, rounds: int, device: str
     rows: dict[str, list[dict]] = {n: [] for n in names}
     for _ in range(rounds):
         for name in order:
-            base = Pipeline.from_yaml("pdf_qa_text")
-            for key, value in {"max_new_tokens": new_tokens, "device": device, "kv": CONFIGS[name], "stop": None,
-                               "ignore_eos": True, **EXTRA.get(name, {})}.items():
-                base.set(f"answer.{key}", value)
+            base = config_pipeline(name, device, max_new_tokens=new_tokens, ignore_eos=True)
             for case in cases:
                 pipeline = base.copy()
                 pipeline.set("params.questions", case["questions"])

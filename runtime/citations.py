@@ -15,6 +15,7 @@ document token exactly and in order (a full cache); the tiered cache and the GPU
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import re
 import threading
@@ -44,7 +45,7 @@ def page_spans(tokenizer: Any, ids: Sequence[int], body_start: int) -> list[tupl
     text = "".join(pieces)
     starts = []
     for match in _MARKER.finditer(text):
-        token = next(i for i, end in enumerate(ends) if end > match.start())
+        token = bisect.bisect_right(ends, match.start())  # the token whose text holds the marker's first character
         starts.append((int(match.group(1)) - 1, body_start + token))
     spans = []
     for n, (page, start) in enumerate(starts):
@@ -88,7 +89,8 @@ def cite(scores: dict[int, float], keep: float = 0.5, most: int = 3, floor: floa
 
 
 def record_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
-    """Add this layer's attention of ``query`` rows over the recorded span of ``key`` to the running sum.
+    """Add this layer's attention of ``query`` rows over the recorded span of ``key`` to the running sum (nothing
+    outside :func:`recording`).
 
     ``query`` [B, Hq, n, D] are the answer tokens, the last ``n`` positions of ``key`` [B, Hkv, T, D]; row ``i``
     sees keys up to ``T - n + i`` (causal). Only the document span ``[start, end)`` is kept, renormalised per row."""
@@ -118,10 +120,6 @@ def recording(start: int, end: int) -> Iterator[dict]:
         yield state
     finally:
         _recording.state = None
-
-
-def recording_active() -> bool:
-    return getattr(_recording, "state", None) is not None
 
 
 #: The question-free turn whose attention is the baseline: what the model reads on its own habits, not a question.

@@ -171,7 +171,6 @@ class Session:
         self.prefix_ids: list[int] = []
         self.cite = cite
         self.sampling = sampling if sampling is not None and sampling.temperature > 0 else None
-        self._rng: torch.Generator | None = None
         self._citer: Any = None  # runtime.citations.Citer of the prefilled document, made at its first citation
         #: How many document prefills this session ran (one per document, however many questions).
         self.document_prefills = 0
@@ -287,9 +286,9 @@ class Session:
 
     def _decode(self, question: str, suffix: list[int], max_new_tokens: int, prune: bool, tiered: bool,
                 started: float, first: torch.Tensor | None = None) -> Answer:
-        if self.sampling is not None:  # a fresh generator per question: answers repeat run after run
-            self._rng = torch.Generator().manual_seed(self.sampling.seed)
-        token = self._pick(self._forward(suffix) if first is None else first)
+        # a fresh generator per question: answers repeat run after run
+        rng = torch.Generator().manual_seed(self.sampling.seed) if self.sampling is not None else None
+        token = self._pick(self._forward(suffix) if first is None else first, rng)
         ttft = time.perf_counter() - started  # argmax().item() waited for the device
         if tiered and hasattr(self.cache, "start_decode"):
             self.cache.start_decode()
@@ -317,7 +316,7 @@ class Session:
             if len(generated) >= max_new_tokens:
                 finish = "length"
                 break
-            token = self._pick(self._forward([token]))
+            token = self._pick(self._forward([token]), rng)
             steps += 1
             if tiered:
                 self.cache.maybe_retier()
@@ -355,11 +354,11 @@ class Session:
             cited_pages=cited,
         )
 
-    def _pick(self, logits: torch.Tensor) -> int:
+    def _pick(self, logits: torch.Tensor, rng: torch.Generator | None) -> int:
         """The next token: the most likely (greedy), or a draw from the top-p share at the temperature."""
         if self.sampling is None:
             return int(logits.argmax())
-        return self.sampling.draw(logits, self._rng)
+        return self.sampling.draw(logits, rng)
 
     def _text(self, generated: list[int]) -> str:
         """The answer's text: cut at a stop string or before a repeat when ``stop`` is set."""

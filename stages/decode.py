@@ -140,13 +140,12 @@ class DecodeGenerate(Stage):
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
                                pruning=p.pruning, stop=p.stop, cite=p.cite,
-                               sampling=Sampling(p.temperature, p.top_p, p.seed) if p.temperature > 0 else None)
+                               sampling=Sampling(p.temperature, p.top_p, p.seed))
         if p.ignore_eos:
             self.session.stop_ids = set()
         wanted = p.engine == "on" or (p.engine == "auto" and self.session.device.type == "cuda" and p.kv is not None)
         if wanted:
-            self.engine_note = engine_unsupported(model, p.kv, p.pruning) or (
-                "temperature > 0 (the engine decodes greedily)" if p.temperature > 0 else None)
+            self.engine_note = engine_unsupported(model, p.kv, p.pruning, p.temperature)
             if self.engine_note is None:
                 stopper = self.session.stopper
                 self.engine = Engine(model, p.kv, self.session.stop_ids, max_streams=p.max_streams,

@@ -121,6 +121,7 @@ def test_what_the_engine_does_not_serve_is_named() -> None:
     assert "kv: null" in engine_unsupported(model, None)
     assert "retier_every" in engine_unsupported(model, {**KV, "retier_every": 8})
     assert "evict" in engine_unsupported(model, {"method": "evict"})
+    assert "temperature" in engine_unsupported(model, KV, temperature=0.7)
     with pytest.raises(ValueError, match="Session"):
         Engine(model, {**KV, "differential": True}, set())
 

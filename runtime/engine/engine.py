@@ -76,8 +76,10 @@ class StreamOutput:
     error: str | None = None
 
 
-def engine_unsupported(model: Any, kv: KVConfig | dict | None, pruning: Any = None) -> str | None:
-    """Why the engine cannot serve this model and ``kv:`` block (``None``: it can); ``Session`` serves those."""
+def engine_unsupported(model: Any, kv: KVConfig | dict | None, pruning: Any = None,
+                       temperature: float = 0.0) -> str | None:
+    """Why the engine cannot serve this model, ``kv:`` block and decoding (``None``: it can); ``Session`` serves
+    those."""
     if kv is None:
         return "kv: null (the engine serves the tiered cache)"
     kv = as_kv_config(kv)
@@ -89,6 +91,8 @@ def engine_unsupported(model: Any, kv: KVConfig | dict | None, pruning: Any = No
         return "kv.differential"
     if pruning is not None:
         return "pruning"
+    if temperature > 0:
+        return "temperature > 0 (the engine decodes greedily)"
     if not step_supported(model):
         return f"{type(model).__name__}'s blocks are not the Llama block the engine's step writes out"
     return None

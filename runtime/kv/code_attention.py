@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from docfuse.runtime.citations import record_forward
 from docfuse.runtime.kv.association import AssociationStore
 
 
@@ -155,10 +156,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return layer.decode_attention(query, scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from docfuse.runtime import citations
-
-    if citations.recording_active():
-        citations.record_forward(module, query, key)
+    record_forward(module, query, key)
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
