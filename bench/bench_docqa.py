@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--answer", type=int, default=0, help="also answer the first N questions end to end")
     parser.add_argument("--stop", choices=["on", "off"], default="on",
-                        help="off: answers end only at end-of-sequence (answer.stop=null), as before issue 26")
+                        help="off: answers end only at end-of-sequence (answer.stop=false), as before issue 26")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "docqa.json")
     args = parser.parse_args(argv)
     if not (args.corpus / "dev_questions.json").exists():
@@ -117,7 +117,7 @@ def answer(questions: list[dict], rows: list[dict], args) -> dict:
         pipeline = Pipeline.from_yaml("pdf_qa_text")
         pipeline.set("params.question", r["question"])
         if args.stop == "off":
-            pipeline.set("answer.stop", None)
+            pipeline.set("answer.stop", False)  # None would drop the key: the default rules, on
         t0 = time.perf_counter()
         row = pipeline.run([str(args.corpus / "documents" / r["doc"])]).tables["answer"].to_pylist()[0]
         seconds = time.perf_counter() - t0

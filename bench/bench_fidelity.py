@@ -182,8 +182,9 @@ def config_pipeline(name: str, device: str, **answer: Any) -> Any:
 
     pipeline = Pipeline.from_yaml("pdf_qa_text")
     # the recorded runs (bench/RESULTS.md, issue 29) decoded to end-of-sequence or the token limit; issue 26's stop
-    # rules would shorten both sides' answers and change what agreement means
-    for key, value in {"device": device, "kv": CONFIGS[name], "stop": None, **answer, **EXTRA.get(name, {})}.items():
+    # rules would shorten both sides' answers and change what agreement means. False, not None: set() drops a None,
+    # which brings the default (on) back; the third pass's first runs had the rules on that way
+    for key, value in {"device": device, "kv": CONFIGS[name], "stop": False, **answer, **EXTRA.get(name, {})}.items():
         pipeline.set(f"answer.{key}", value)
     return pipeline
 

@@ -108,7 +108,9 @@ def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, n
     for key, value in {"answer.model": str(model_dir), "answer.dtype": "bfloat16", "answer.device": "cuda",
                        "answer.kv": kv, "answer.max_new_tokens": new_tokens, "answer.prefill_chunk": 8192,
                        "answer.engine": engine, "answer.max_streams": max_streams, "answer.ignore_eos": True,
-                       "answer.stop": None,  # random weights repeat themselves: every answer decodes its full length
+                       # random weights repeat themselves: every answer decodes its full length (False: a None would
+                       # drop the key and bring the default stop rules back)
+                       "answer.stop": False,
                        "answer.truncate": truncate,
                        "params.questions": questions}.items():
         pipeline.set(key, value)

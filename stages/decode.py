@@ -40,10 +40,12 @@ class DecodeParams(StageParams):
                                            "safe_mode: false} (see runtime.pruning.PruningConfig); null = dense")
     system: str | None = Field(None, description="system message; null = answer from the document, concisely; "
                                                  "'' = the model's own default")
-    stop: dict[str, Any] | None = Field(default_factory=dict, description="end an answer at a stop string (a new "
-                                        "'Question:' turn, ...) or when it starts repeating itself: {strings: [...], "
-                                        "repeat_tokens: 12} (see runtime.stopping.StopConfig); null = only at "
-                                        "end-of-sequence")
+    stop: dict[str, Any] | bool | None = Field(
+        default_factory=dict, description="end an answer at a stop string (a new 'Question:' turn, ...) or when it "
+                                          "starts repeating itself: {strings: [...], repeat_tokens: 12} (see "
+                                          "runtime.stopping.StopConfig); false (or null in YAML) = only at "
+                                          "end-of-sequence. On the command line write --set answer.stop=false: "
+                                          "--set KEY=null removes the key, which brings the default back")
     engine: Literal["auto", "on", "off"] = Field(
         "auto", description="the batched decode engine (runtime.engine): every question of every document of the "
                             "batch decodes together over paged tiers. auto = on CUDA with a kv: block it serves; "
@@ -69,9 +71,13 @@ class DecodeParams(StageParams):
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _stop(cls, value: dict[str, Any] | bool | None) -> dict[str, Any] | None:
         from docfuse.runtime.stopping import StopConfig
 
+        if value is False:  # the off switch --set can write (null there removes the key: the default, on)
+            return None
+        if value is True:
+            value = {}
         return _sub_block("stop", StopConfig, value)
 
     @field_validator("pruning")

@@ -43,6 +43,21 @@ def test_bad_stop_settings_are_refused() -> None:
         StopConfig(colour="red")
 
 
+def test_stop_false_turns_the_rules_off_where_set_null_would_bring_the_default_back() -> None:
+    from docfuse.pipelines import Pipeline
+    from docfuse.stages.decode import DecodeGenerate
+
+    def stop_of(value):
+        pipeline = Pipeline.from_yaml("pdf_qa")
+        pipeline.set("answer.stop", value)  # what --set answer.stop=VALUE does
+        return DecodeGenerate(**pipeline.stages["answer"].params).params.stop
+
+    assert stop_of(False) is None  # off: answers end only at end-of-sequence
+    assert stop_of(None) == {}  # null drops the key: the default block, every rule on
+    assert stop_of(True) == StopConfig().model_dump(mode="json")
+    assert DecodeGenerate(stop=None).params.stop is None  # null written in a pipeline's own YAML is off too
+
+
 def test_the_engine_stops_where_the_same_rule_stops_the_session_loop() -> None:
     """A stream ends at the first token a rule catches, as Session's loop does; earlier tokens are untouched."""
     model = tiny(seed=3)
