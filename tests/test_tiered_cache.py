@@ -585,3 +585,33 @@ def test_dequantize_into_a_buffer_view_matches_dequantize(bits: int, length: int
         low = torch.empty(1, 3, length, 64, dtype=torch.bfloat16)
         q.dequantize_into(low)  # fp32 multiply-add, one rounding to bf16
         assert torch.equal(low, want.to(torch.bfloat16))
+
+
+def test_retier_shortcuts_give_the_sorts_and_gathers_numbers() -> None:
+    """The re-tier's faster forms (page-level ranks, row selects, mask-ordered positions, keys read pre-padded) must
+    give exactly what the argsorts, gathers, sorts and padding copy they replace give: fidelity was measured on those."""
+    from docfuse.runtime.kv.layer import _ascending, _page_rank, _rows
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        pages = int(torch.randint(1, 12, (1,), generator=g))
+        sizes = torch.randint(0, 20, (pages,), generator=g)
+        sizes[0] += 1
+        page_ids = torch.repeat_interleave(torch.arange(pages), sizes)
+        per_page = torch.randint(0, 4, (2, 3, pages), generator=g).float()  # many ties, across and within heads
+        per_token = per_page.gather(2, page_ids.expand(2, 3, -1)).double()
+        expected = torch.argsort(torch.argsort(per_token, dim=-1, stable=True), dim=-1, stable=True)
+        assert torch.equal(_page_rank(per_page, page_ids), expected), trial
+    buffer = torch.randn(2, 3, 50, 8, generator=g)
+    for x in (buffer, buffer[:, :, :30]):  # contiguous, and a slice of a larger buffer (the core's)
+        chosen = torch.stack([torch.stack([torch.randperm(30, generator=g)[:7] for _ in range(3)]) for _ in range(2)])
+        assert torch.equal(_rows(x, chosen), x.gather(2, chosen.unsqueeze(-1).expand(-1, -1, -1, 8)))
+        assert torch.equal(_ascending(chosen, 30), chosen.sort(dim=-1).values)
+    keys = torch.randn(1, 2, 45, 16, generator=g)
+    padded = torch.cat([keys, keys[:, :, -1:].expand(-1, -1, 19, -1)], dim=2)
+    for bits in (4, 8):
+        a, b = quantize_keys(keys, bits, 32), quantize_keys(padded, bits, 32, length=45)
+        assert b.length == 45 and all(torch.equal(x, y) for x, y in ((a.codes, b.codes), (a.scale, b.scale),
+                                                                     (a.zero, b.zero)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_keys(padded[:, :, :50], 4, 32, length=45)

@@ -41,10 +41,17 @@ class AssociationStore:
     def build(cls, k: torch.Tensor, v: torch.Tensor, bits: int, group: int,
               page_ids: torch.Tensor | None = None, key_bits: int | None = None) -> AssociationStore:
         """Quantise ``k``/``v`` [B, H, T, D] (keys to ``key_bits`` when given, else ``bits``); with ``page_ids``
-        [B, H, T] quantise residuals to page means."""
+        [B, H, T] quantise residuals to page means.
+
+        ``k`` may already carry the padding of its last quantisation group (T rounded up to ``group`` by repeating
+        the last token, as ``quantize_keys`` would add it); ``v`` always has the T tokens alone."""
         kb = key_bits or bits
-        if page_ids is None or k.shape[2] == 0:
-            return cls(quantize_keys(k, kb, group), quantize_values(v, bits))
+        t = v.shape[2]
+        if k.shape[2] != t and (page_ids is not None or k.shape[2] != t + (-t) % group):
+            raise ValueError(f"keys have {k.shape[2]} rows for {t} values: pad them to a multiple of {group} "
+                             "(no page anchors), or pass the same tokens")
+        if page_ids is None or t == 0:
+            return cls(quantize_keys(k, kb, group, length=t), quantize_values(v, bits))
         uniq, inverse = torch.unique(page_ids, return_inverse=True)
         anchor_k = page_means(k, inverse, len(uniq)).to(torch.float16)
         anchor_v = page_means(v, inverse, len(uniq)).to(torch.float16)

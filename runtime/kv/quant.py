@@ -124,9 +124,18 @@ class Quantized:
         return out[:, :, : self.length]
 
 
-def quantize_keys(x: torch.Tensor, bits: int, group: int = 32) -> Quantized:
-    """Per-channel quantisation over blocks of ``group`` tokens; the last block is padded by repeating its last token."""
+def quantize_keys(x: torch.Tensor, bits: int, group: int = 32, length: int | None = None) -> Quantized:
+    """Per-channel quantisation over blocks of ``group`` tokens; the last block is padded by repeating its last token.
+
+    ``length``: the real tokens when ``x`` already holds that padding (the tiered cache reads the padded rows in the
+    same gather as the rest instead of copying the tier again to append them)."""
     b, h, t, d = x.shape
+    if length is not None and length != t:
+        if t != length + (-length) % group:
+            raise ValueError(f"{t} key rows for {length} tokens: padding must round up to a multiple of {group}")
+        codes = quantize_keys(x, bits, group)
+        codes.length = length
+        return codes
     pad = (-t) % group
     if pad:
         filler = x[:, :, -1:].expand(b, h, pad, d) if t else x.new_zeros(b, h, pad, d)

@@ -44,7 +44,10 @@ def token_votes(grouped: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
         if hidden is not None:
             mask = hidden if hidden.shape[2] == 1 else hidden[:, :, lo: lo + step]
             logits.masked_fill_(mask, -math.inf)
-        mass += torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=2)
+        weights = torch.softmax(logits, dim=-1)
+        if hidden is not None or keys.dtype == torch.float16:  # a fully hidden row, or an fp16 overflow: NaN
+            weights.nan_to_num_(0.0)
+        mass += weights.sum(dim=2)
     if kernel > 1 and mass.shape[-1] >= kernel:
         mass = F.avg_pool1d(mass, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
     return mass
