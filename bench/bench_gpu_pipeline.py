@@ -10,6 +10,11 @@ Workloads (each resumable: a finished one is kept in the JSON and skipped unless
 * ``review_32k``: ``--docs`` documents of 32K tokens, 8 questions each; the engine with tiers (``kv`` below), then the
   same pipeline with ``kv: null`` (today's product path, one question at a time) on ``--null-docs`` of them.
 * ``batch1_32k``: one 32K document, one question: engine TTFT and decode against ``kv: null``'s.
+* ``batch1_128k``: one 128K document, one question: engine TTFT and decode against ``kv: null``'s, and against
+  ``bench_gpu_128k.py``'s ``tiered_graph`` harness (layer-major prefill, fused kernel, one CUDA graph a step) run
+  here on the same card and model (``tiered_graph_anchor``).
+* ``static_anchor``: the external anchor, transformers' StaticCache with the model's forward captured in a CUDA
+  graph, batch 1, at ``--anchor-tokens`` prompt lengths: TTFT and decode tokens/s.
 * ``long_128k``: ``--long-docs`` documents of 128K tokens, 2 questions each, through the engine.
 
 Per workload: wall time, documents per minute, aggregate decode tokens/s, TTFT (median, worst), peak device memory,
@@ -99,6 +104,121 @@ def write_documents(folder: Path, count: int, tokens: int, tokenizer, seed: int)
     return paths
 
 
+def static_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) -> dict:
+    """The external anchor: transformers' StaticCache, the model's own forward captured in one CUDA graph per decode
+    step, batch 1, ``length`` random prompt ids. TTFT is the chunked prefill into the static cache; decode is the
+    replayed graph. The mask is a static 4D buffer updated in place (0 where a slot is filled, -inf beyond), which
+    transformers passes to SDPA as is, so nothing in the step depends on host-side sizes."""
+    from transformers import StaticCache
+
+    from docfuse.runtime.session import cache_kwarg
+
+    kw = cache_kwarg(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(length))
+    total = length + new_tokens + 8
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for s in range(0, length, chunk):
+            n = min(chunk, length - s)
+            pos = torch.arange(s, s + n, device="cuda")
+            out = model(input_ids=ids[:, s: s + n], cache_position=pos, position_ids=pos[None], use_cache=True,
+                        logits_to_keep=1, **{kw: cache})
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+    torch.cuda.synchronize()
+    ttft = time.perf_counter() - t0
+    dtype = next(model.parameters()).dtype
+    mask = torch.full((1, 1, 1, total), torch.finfo(dtype).min, dtype=dtype, device="cuda")
+    mask[..., : length + 1] = 0
+    step_ids, step_pos = token.clone(), torch.tensor([length], device="cuda")
+    history = torch.zeros(total, dtype=torch.long, device="cuda")  # the tokens decoded, to check the anchor's answer
+    history[0] = token[0, 0]
+
+    def step() -> torch.Tensor:
+        logits = model(input_ids=step_ids, cache_position=step_pos, position_ids=step_pos[None], attention_mask=mask,
+                       use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+    def advance(nxt: torch.Tensor) -> None:  # the next step's inputs, in place (captured too)
+        step_ids.copy_(nxt)
+        step_pos.add_(1)
+        history.index_copy_(0, step_pos - length, nxt[0])
+        mask.index_fill_(3, step_pos, 0)
+
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up steps decode real tokens
+                advance(step())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            advance(step())
+        steps = min(new_tokens, total - length - 6)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t0) / steps
+    result = {"tokens": length, "ttft_s": ttft, "decode_ms_per_token": seconds * 1e3, "decode_tok_s": 1 / seconds,
+              "peak_device_gb": torch.cuda.max_memory_allocated() / GB,
+              "first_tokens": history[: steps + 4].tolist()}
+    del graph, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def tiered_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) -> dict:
+    """``bench_gpu_128k.py``'s ``tiered_graph`` row in this process: layer-major tiered prefill of ``length`` random
+    ids, then the explicit decode step with the fused kernel in one CUDA graph (the harness the engine must match)."""
+    from docfuse.runtime.gpu.decode_graph import GraphDecoder
+    from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention
+    from docfuse.runtime.kv.background import ArchiveWriter
+    from docfuse.runtime.layer_prefill import layer_major_prefill
+
+    before = model.config._attn_implementation
+    model.config._attn_implementation = register_attention()
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(length))
+        gc.collect()
+        torch.cuda.empty_cache()
+        cache = KernelTieredCache(model.config, {k: v for k, v in KV.items() if k != "prefill"})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = layer_major_prefill(model, cache, ids, chunk=chunk, writer=ArchiveWriter())
+            token = logits.argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        ttft = time.perf_counter() - t0
+        for layer in cache.layers:
+            layer.archive.settle()
+        cache.set_fused(True)
+        with torch.inference_mode():
+            dec = GraphDecoder(model, cache, max_new=new_tokens + 8, first_token=token, warmup=2)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(new_tokens):
+                dec.step()
+            torch.cuda.synchronize()
+            seconds = (time.perf_counter() - t0) / new_tokens
+            dec.close()
+        del dec, cache
+    finally:
+        model.config._attn_implementation = before
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"tokens": length, "ttft_s": ttft, "decode_ms_per_token": seconds * 1e3, "decode_tok_s": 1 / seconds}
+
+
 def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, new_tokens: int, engine: str,
                  max_streams: int, truncate: str = "none") -> dict:
     from docfuse.pipelines import Pipeline
@@ -170,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-weights", action="store_true", help="write the 16 GB of random weights too")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_pipeline.json")
     parser.add_argument("--force", action="store_true", help="rerun workloads already in --out")
+    parser.add_argument("--anchor-tokens", type=int, nargs="+", default=[32768, 131072 - 2048],
+                        help="prompt lengths of the StaticCache-graph anchor (static_anchor)")
     args = parser.parse_args(argv)
     from docfuse.runtime.loading import default_model_dir
 
@@ -217,6 +339,28 @@ def main(argv: list[str] | None = None) -> None:
                                          "step_vs_floor": floor_fraction(engine, weights_read, bandwidth),
                                          "engine": engine, "kv_null": null}
             result["batch1_32k"] = {k: result["workloads"][name][k] for k in ("ttft_s", "ttft_dynamic_s")}
+        elif name == "batch1_128k":
+            paths = write_documents(args.work / "docs", 1, 131072 - 2048, tokenizer, seed=4)
+            engine = run_pipeline(model_dir, paths, QUESTIONS[:1], KV, args.new_tokens, "on", args.max_streams,
+                                  truncate="head")
+            null = run_pipeline(model_dir, paths, QUESTIONS[:1], None, args.new_tokens, "off", 1, truncate="head")
+            length = int(engine["prompt_tokens_median"] or 129024)
+            harness = tiered_graph_anchor(model, length, args.new_tokens)
+            result["workloads"][name] = {"ttft_s": engine["ttft_median_s"], "ttft_dynamic_s": null["ttft_median_s"],
+                                         "decode_tok_s": engine["per_stream_decode_tok_s_median"],
+                                         "decode_tok_s_dynamic": null["per_stream_decode_tok_s_median"],
+                                         "bench_tiered_graph_tok_s": harness["decode_tok_s"],
+                                         "decode_vs_bench_tiered_graph": (engine["per_stream_decode_tok_s_median"]
+                                                                          or 0) / harness["decode_tok_s"],
+                                         "bench_tiered_graph": harness,
+                                         "step_vs_floor": floor_fraction(engine, weights_read, bandwidth),
+                                         "engine": engine, "kv_null": null}
+            result["batch1_128k"] = {k: result["workloads"][name][k] for k in (
+                "decode_tok_s", "bench_tiered_graph_tok_s", "ttft_s", "ttft_dynamic_s")}
+        elif name == "static_anchor":
+            # transformers' StaticCache with the model's forward in a CUDA graph, batch 1: the external anchor
+            result["workloads"][name] = {str(n): static_graph_anchor(model, n, args.new_tokens)
+                                         for n in args.anchor_tokens}
         elif name == "long_128k":
             paths = write_documents(args.work / "docs", args.long_docs, 131072 - 2048, tokenizer, seed=3)
             # the synthetic text runs a few percent over its token target: head keeps what the context holds
@@ -227,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
                                          "step_vs_floor": floor_fraction(engine, weights_read, bandwidth),
                                          "engine": engine}
         else:
-            raise SystemExit(f"unknown workload {name!r}; choose from review_32k, batch1_32k, long_128k")
+            raise SystemExit(f"unknown workload {name!r}; choose from review_32k, batch1_32k, batch1_128k, "
+                             "static_anchor, long_128k")
         print(f"{name}: {json.dumps({k: v for k, v in result['workloads'][name].items() if k not in ('engine', 'kv_null')})}",
               flush=True)
         fractions = [r["fraction_of_floor"] for w in result["workloads"].values()
