@@ -7,8 +7,19 @@ PIP := $(PY) -m pip
 # torch is pinned: an unpinned install can pull a multi-GB build; these two lie on the project's machines.
 TORCH := torch==2.14.1 torchvision==0.29.1
 
+# apt-get needs root: sudo when this is not root
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 .PHONY: setup demo test test-fast bench clean
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.ocr
+
+# OCR of scanned pages (pdf.text's ocr: auto): Tesseract with its English and French data, from Debian's packages
+# (no model is downloaded at run time). Without it a scanned page is an error row that says how to install it.
+$(VENV)/.ocr: $(VENV)/.installed
+	command -v tesseract >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		$(SUDO) apt-get install -y -qq tesseract-ocr tesseract-ocr-eng tesseract-ocr-fra >/dev/null; } || \
+		echo "warning: tesseract-ocr could not be installed; scanned pages will be error rows until it is"
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

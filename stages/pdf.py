@@ -7,8 +7,12 @@ error row for it; the rest of the batch is unaffected.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from typing import Any, ClassVar
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
 import pymupdf
@@ -19,8 +23,18 @@ from docfuse.pipelines.stage import Stage, StageParams, error_value
 from docfuse.stages import schemas
 from docfuse.stages.pdf_extract import PageContent, extract_page
 from docfuse.stages.pdf_layout import Block, DocStyle, doc_style, layout_page
+from docfuse.stages.pdf_ocr import OcrPool, OcrUnavailable
 from docfuse.stages.pdf_open import PdfOpenError, open_pdf
 from docfuse.stages.pdf_tables import PageTable, TablesMode, find_page_tables
+
+#: Absolute guard, whatever max_pixels says: no image side beyond this (MuPDF and most PNG readers cope,
+#: and one such page already takes ~3 GiB as RGB at the side limit squared, so max_pixels binds long before).
+MAX_SIDE_PX = 32768
+#: Ceiling for the max_pixels parameter: 256 Mpx is 768 MiB of RGB for one page.
+MAX_PIXELS_CEILING = 256_000_000
+LOG = logging.getLogger(__name__)
+#: Below this a page image is too coarse for OCR: the page becomes an error row instead.
+MIN_OCR_DPI = 50
 
 _PDF_IN = pa.schema([f for f in schemas.PDF_DOC if f.name in ("doc_id", "source", "pdf")])
 
@@ -102,6 +116,14 @@ class PdfTextParams(StageParams):
     min_words: int = Field(3, ge=0, description="a page with fewer words whose images cover at least "
                            "min_image_cover of it counts as a scan (image_only)")
     min_image_cover: float = Field(0.5, ge=0.0, le=1.0)
+    ocr: Literal["auto", "always", "never"] = Field(
+        "auto", description="auto OCRs the pages without a usable text layer (scans, fonts without a Unicode map); "
+        "always OCRs every page (the text layer is kept where OCR finds nothing); never leaves scans empty")
+    languages: list[str] = Field(["eng"], min_length=1, description="Tesseract languages to read (eng, fra, deu, ...; "
+                                 "each needs its tesseract-ocr-<lang> package)")
+    ocr_dpi: float = Field(300, gt=0, le=2400, description="resolution pages are OCR'd at")
+    ocr_max_pixels: int = Field(12_000_000, ge=1, le=MAX_PIXELS_CEILING,
+                                description="pixel budget of a page image for OCR: larger pages are read at a lower dpi")
 
 
 @register
@@ -109,12 +131,15 @@ class PdfText(Stage):
     """Text layer per page: reading order across columns, Markdown headings and tables, footnotes last.
 
     A page without a usable text layer (a scan, vector-drawn text, or text in a font without /ToUnicode whose
-    characters come out as U+FFFD, control codes or raw glyph codes) is not an error: it gets
-    ``image_only=True`` and empty text, so the rendered page is what carries it (see stages/pdf_extract.py).
+    characters come out as U+FFFD, control codes or raw glyph codes) gets ``image_only=True`` and, with ``ocr:
+    auto`` (the default), the words Tesseract reads from its image, laid out like a text layer's
+    (stages/pdf_ocr.py); ``text_source`` says which (``layer``, ``ocr``, ``none``) and ``ocr_confidence`` how sure
+    the OCR was. With ``ocr: never``, or when OCR finds nothing, its text is empty and the rendered page is what
+    carries it. A page that needs OCR where Tesseract is missing is an error row naming the install step.
     """
 
     kind = "pdf.text"
-    version = "1"
+    version = "2"
     Params = PdfTextParams
     inputs: ClassVar[dict[str, pa.Schema]] = {"pages": _PDF_IN}
     output_schema = schemas.PAGE_TEXT
@@ -122,7 +147,7 @@ class PdfText(Stage):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         #: Pages seen and pages find_tables ran on, summed over runs: what the table gate costs.
-        self.stats = {"pages": 0, "find_tables_pages": 0, "tables": 0}
+        self.stats = {"pages": 0, "find_tables_pages": 0, "tables": 0, "ocr_pages": 0}
 
     def output(self) -> pa.Schema:
         if not self.params.layout:
@@ -131,33 +156,49 @@ class PdfText(Stage):
         return pa.schema(fields + schemas.PAGE_LAYOUT_FIELDS + [schemas.ERROR])
 
     def run(self, pages: pa.Table) -> pa.Table:
+        """Every document's pages are extracted first, their OCR running meanwhile in the pool's threads (so the
+        scans of a batch of one-page documents are read side by side), then each document is laid out."""
         schema = self.output()
+        docs: list[tuple[dict, list | None]] = []  # (row base, the pages of the document or None after an error row)
         rows: list[dict] = []
-        for doc_id, source, pdf, upstream in _docs(pages, "pdf"):
-            base = {"doc_id": doc_id, "source": source}
-            if upstream:
-                rows.append(schemas.empty_row(schema, **base, error=upstream))
-                continue
-            try:
-                doc = _open_bytes(pdf)
-            except PdfOpenError as exc:
-                rows.append(schemas.empty_row(schema, **base, error=error_value(exc.kind, exc.message)))
-                continue
-            try:
-                rows.extend(schemas.empty_row(schema, **base, **r) for r in self._document(doc))
-            except Exception as exc:  # a failure outside any one page: the whole document
-                rows.append(schemas.empty_row(schema, **base, error=error_value(
-                    "corrupt", f"text extraction failed ({type(exc).__name__}: {exc}); re-export the PDF")))
-            finally:
-                doc.close()
+        with contextlib.ExitStack() as stack:
+            pool = _LazyPool(self.params, stack)
+            for doc_id, source, pdf, upstream in _docs(pages, "pdf"):
+                base = {"doc_id": doc_id, "source": source}
+                if upstream:
+                    docs.append(({**base, "error": upstream}, None))
+                    continue
+                try:
+                    doc = _open_bytes(pdf)
+                except PdfOpenError as exc:
+                    docs.append(({**base, "error": error_value(exc.kind, exc.message)}, None))
+                    continue
+                try:
+                    extracted = self._extract(doc)
+                    if self.params.ocr != "never":
+                        self._submit_ocr(doc, extracted, pool)
+                    docs.append((base, extracted))
+                except Exception as exc:  # a failure outside any one page: the whole document
+                    docs.append(({**base, "error": error_value(
+                        "corrupt", f"text extraction failed ({type(exc).__name__}: {exc}); re-export the PDF")}, None))
+                finally:
+                    doc.close()
+            for base, extracted in docs:
+                if extracted is None:
+                    rows.append(schemas.empty_row(schema, **base))
+                    continue
+                try:
+                    rows.extend(schemas.empty_row(schema, **base, **r) for r in self._layout(extracted))
+                except Exception as exc:
+                    rows.append(schemas.empty_row(schema, **base, error=error_value(
+                        "corrupt", f"text extraction failed ({type(exc).__name__}: {exc}); re-export the PDF")))
         return pa.Table.from_pylist(rows, schema=schema)
 
-    def _document(self, doc: pymupdf.Document) -> list[dict]:
-        """Two passes: extract every page (and its tables), then lay pages out with the document's font sizes.
-        The words of the whole document are held at once (some 100 bytes a word), which bounds memory by the
-        largest document in a batch rather than by the batch."""
+    def _extract(self, doc: pymupdf.Document) -> list[_Extracted | Exception | str | Future]:
+        """Every page's text layer and tables. The words of a batch's documents are held until they are laid out
+        (some 100 bytes a word): a batch of 64 documents of 300 pages is a few hundred MB at most."""
         p = self.params
-        extracted: list[tuple[PageContent, list[PageTable]] | Exception] = []
+        extracted: list = []
         for number in range(doc.page_count):
             try:
                 page = doc.load_page(number)
@@ -165,35 +206,110 @@ class PdfText(Stage):
                 tables, ran = find_page_tables(page, content, p.tables)
                 self.stats["find_tables_pages"] += ran
                 self.stats["tables"] += len(tables)
-                extracted.append((content, tables))
+                extracted.append(_Extracted(content, tables, image_only=not content.usable,
+                                            source="layer" if content.usable else "none"))
             except Exception as exc:
                 extracted.append(exc)
             self.stats["pages"] += 1
-        style = doc_style([e[0] for e in extracted if not isinstance(e, Exception) and e[0].usable])
+        return extracted
+
+    def _submit_ocr(self, doc: pymupdf.Document, extracted: list, pool: _LazyPool) -> None:
+        """Hand the pages that need OCR (``ocr: auto``: those without a usable text layer; ``always``: all) to the
+        pool; each becomes ``(its extraction, a future)`` until ``_layout`` collects it. A page OCR cannot read
+        becomes an error value that says why and what to install or set."""
+        p = self.params
+        for i, item in enumerate(extracted):
+            if not isinstance(item, _Extracted) or (p.ocr == "auto" and item.content.usable):
+                continue
+            page = doc.load_page(i)
+            dpi = fit_dpi(float(page.rect.width), float(page.rect.height), p.ocr_dpi, p.ocr_max_pixels)
+            if dpi < MIN_OCR_DPI:
+                if not item.content.usable:
+                    extracted[i] = error_value("page_too_large", f"page {i} is too large to OCR within ocr_max_pixels "
+                                               f"({p.ocr_max_pixels}) at {MIN_OCR_DPI} dpi or more; raise pdf.text's "
+                                               "ocr_max_pixels")
+                continue
+            if dpi < p.ocr_dpi:
+                LOG.warning("page %d is OCR'd at %.0f dpi, not %.0f: the page image would exceed ocr_max_pixels",
+                            i, dpi, p.ocr_dpi)
+            try:
+                extracted[i] = (item, pool.get().submit(page, dpi))
+            except OcrUnavailable as exc:  # no engine or no language data: the page says what to install
+                if not item.content.usable:
+                    extracted[i] = error_value("ocr_unavailable", str(exc))
+
+    def _collect(self, number: int, item: _Extracted, future: Future) -> _Extracted | str:
+        """A page's OCR result in place of its text layer (``always`` keeps the layer where OCR found nothing)."""
+        try:
+            result = future.result()
+        except Exception as exc:
+            if item.content.usable:
+                return item
+            kind = "ocr_unavailable" if isinstance(exc, OcrUnavailable) else "ocr_failed"
+            return error_value(kind, f"OCR of page {number} failed ({exc}); the other pages are fine")
+        self.stats["ocr_pages"] += 1
+        if not result.content.usable and item.content.usable:
+            return item
+        # a scan's tables are not ruled drawings: the layout reads them as text
+        return _Extracted(result.content, [], image_only=item.image_only,
+                          source="ocr" if result.content.usable else "none", confidence=result.confidence)
+
+    def _layout(self, extracted: list) -> list[dict]:
+        """Lay the pages out with the document's font sizes (OCR results collected first, waiting where needed)."""
+        extracted = [self._collect(i, *e) if isinstance(e, tuple) else e for i, e in enumerate(extracted)]
+        style = doc_style([e.content for e in extracted if isinstance(e, _Extracted) and e.content.usable])
         rows = []
         for number, item in enumerate(extracted):
+            if isinstance(item, str):  # an error value already (OCR)
+                rows.append({"page": number, "image_only": True, "text_source": "none", "error": item})
+                continue
             if isinstance(item, Exception):
                 rows.append({"page": number, "error": _page_error(number, item)})
                 continue
-            content, tables = item
             try:
-                rows.append(self._page_row(content, tables, style))
+                rows.append(self._page_row(item, style))
             except Exception as exc:
                 rows.append({"page": number, "error": _page_error(number, exc)})
         return rows
 
-    def _page_row(self, content: PageContent, tables: list[PageTable], style: DocStyle) -> dict:
-        row: dict[str, Any] = {"page": content.number}
+    def _page_row(self, item: _Extracted, style: DocStyle) -> dict:
+        content = item.content
+        row: dict[str, Any] = {"page": content.number, "image_only": item.image_only, "text_source": item.source,
+                               "ocr_confidence": item.confidence}
         if self.params.layout:
             row.update(page_width=content.width, page_height=content.height, words=[], blocks=[])
         if not content.usable:
-            return {**row, "text": "", "image_only": True, "n_words": 0}
-        layout = layout_page(content, tables, style)
+            return {**row, "text": "", "n_words": 0}
+        layout = layout_page(content, item.tables, style)
         words, blocks = _layout_columns(layout.blocks, layout.dropped)
-        row.update(text=layout.text(), image_only=False, n_words=len(words))
+        row.update(text=layout.text(), n_words=len(words))
         if self.params.layout:
             row.update(words=words, blocks=blocks)
         return row
+
+
+class _LazyPool:
+    """The batch's OcrPool, made on the first page that needs OCR (a born-digital batch starts no threads and never
+    asks for Tesseract); ``get`` raises OcrUnavailable again for each page while the engine is missing."""
+
+    def __init__(self, params: PdfTextParams, stack: contextlib.ExitStack) -> None:
+        self.params, self.stack, self.pool = params, stack, None
+
+    def get(self) -> OcrPool:
+        if self.pool is None:
+            self.pool = self.stack.enter_context(OcrPool(self.params.languages))
+        return self.pool
+
+
+@dataclass
+class _Extracted:
+    """One page before layout: its words (text layer or OCR), tables, and how the text was obtained."""
+
+    content: PageContent
+    tables: list[PageTable]
+    image_only: bool  # the page has no usable text layer (whatever OCR then found)
+    source: str  # layer, ocr or none
+    confidence: float | None = None
 
 
 def _layout_columns(ordered: list[Block], dropped: list[Block]) -> tuple[list[dict], list[dict]]:
@@ -217,12 +333,6 @@ def _layout_columns(ordered: list[Block], dropped: list[Block]) -> tuple[list[di
 
 
 # --- pdf.render -------------------------------------------------------------------------------------------
-
-#: Absolute guard, whatever max_pixels says: no image side beyond this (MuPDF and most PNG readers cope,
-#: and one such page already takes ~3 GiB as RGB at the side limit squared, so max_pixels binds long before).
-MAX_SIDE_PX = 32768
-#: Ceiling for the max_pixels parameter: 256 Mpx is 768 MiB of RGB for one page.
-MAX_PIXELS_CEILING = 256_000_000
 
 
 class PdfRenderParams(StageParams):

@@ -36,6 +36,9 @@ PAGE_TEXT = pa.schema(DOC + [
     pa.field("text", pa.string()),
     pa.field("image_only", pa.bool_()),
     pa.field("n_words", pa.int32()),
+    # pdf.text: where the text came from (layer, ocr, none) and the OCR's mean word confidence (0-1)
+    pa.field("text_source", pa.string()),
+    pa.field("ocr_confidence", pa.float32()),
     ERROR,
 ])
 #: Extra columns pdf.text adds with ``layout: true``.

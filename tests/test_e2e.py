@@ -12,11 +12,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from docfuse.stages import pdf_ocr
+
 from tests import pdf_fixtures as fx
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCFUSE = str(Path(sys.executable).parent / "docfuse")
-EXTRACT_COLUMNS = ["doc_id", "source", "page", "text", "image_only", "n_words", "error"]
+EXTRACT_COLUMNS = ["doc_id", "source", "page", "text", "image_only", "n_words", "text_source", "ocr_confidence",
+                   "error"]
 QA_COLUMNS = ["doc_id", "source", "question", "answer", "prompt_tokens", "ttft_s", "decode_tokens_per_s",
               "kv_device_bytes", "kv_host_bytes", "kv_full_bytes", "skipped_fraction", "peak_memory_bytes", "pages_used",
               "truncated", "cited_pages", "error"]
@@ -65,7 +68,12 @@ def test_pdf_extract_keeps_every_good_page_and_gives_each_bad_file_an_error_row(
         assert rows["unreadable"][0]["error"].startswith("unreadable:")
     assert len(rows["born_digital"]) == 3 and all(r["error"] is None for r in rows["born_digital"])
     assert len(rows["broken_xref"]) == 3 and all(r["error"] is None and r["n_words"] > 0 for r in rows["broken_xref"])
-    assert [r["image_only"] for r in rows["image_only"]] == [True] and rows["image_only"][0]["text"] == ""
+    scan = rows["image_only"]
+    assert [r["image_only"] for r in scan] == [True]
+    if pdf_ocr.available():  # the scan is read by OCR (ocr: auto), else it says what to install
+        assert scan[0]["text_source"] == "ocr" and "quick brown fox" in scan[0]["text"]
+    else:
+        assert scan[0]["error"].startswith("ocr_unavailable:") and "apt-get install" in scan[0]["error"]
     assert rows["type3_no_tounicode"][0]["error"] is None and rows["type3_no_tounicode"][0]["image_only"]
     # huge page: extraction is fine (rendering is what fails on it, tested with pdf.render)
     assert all(r["error"] is None for r in rows["huge_page"])

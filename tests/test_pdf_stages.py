@@ -141,18 +141,20 @@ def test_text_rows_follow_the_contract(fx):
         assert r["n_words"] == len(r["text"].replace("#", " ").split())
 
 
-def test_image_only_pages_are_flagged_with_empty_text(fx):
-    scan = page_texts(fx["image_only"])[0]
+def test_image_only_pages_are_flagged_with_empty_text_when_ocr_is_off(fx):
+    scan = page_texts(fx["image_only"], ocr="never")[0]
     assert scan["image_only"] is True and scan["text"] == "" and scan["n_words"] == 0 and scan["error"] is None
-    mixed = page_texts(fx["mixed_scan"])
+    assert scan["text_source"] == "none" and scan["ocr_confidence"] is None
+    mixed = page_texts(fx["mixed_scan"], ocr="never")
     assert [r["image_only"] for r in mixed] == [False, True]
+    assert [r["text_source"] for r in mixed] == ["layer", "none"]
     assert "Chapter 1" in mixed[0]["text"] and mixed[1]["text"] == ""
 
 
 def test_font_without_tounicode_counts_as_no_text_layer(fx):
     page = pymupdf.open(fx["type3_no_tounicode"])[0]
     assert page.get_text().strip(), "the fixture must have a (garbage) text layer"
-    row = page_texts(fx["type3_no_tounicode"])[0]
+    row = page_texts(fx["type3_no_tounicode"], ocr="never")[0]
     assert row["image_only"] is True and row["text"] == "" and row["error"] is None
 
 
@@ -186,7 +188,7 @@ def test_layout_columns_describe_words_and_blocks(fx):
     stage = PdfText(layout=True)
     schema = stage.output()
     assert schema.names[-1] == "error"
-    assert [f.name for f in schemas.PAGE_LAYOUT_FIELDS] == schema.names[6:-1]
+    assert [f.name for f in schemas.PAGE_LAYOUT_FIELDS] == schema.names[len(schemas.PAGE_TEXT) - 1:-1]
     out = stage.run(opened(fx["two_column"]))
     assert out.schema == schema
     row = out.to_pylist()[0]
@@ -260,7 +262,7 @@ def test_auto_gate_runs_find_tables_only_where_rules_form_a_grid(fx):
     stage = PdfText(tables="auto")
     rows = stage.run(opened(fx["ruled_table"], fx["two_column"], fx["born_digital"])).to_pylist()
     assert len(rows) == 2 + 1 + 3
-    assert stage.stats == {"pages": 6, "find_tables_pages": 1, "tables": 1}
+    assert stage.stats == {"pages": 6, "find_tables_pages": 1, "tables": 1, "ocr_pages": 0}
     always = PdfText(tables="always")
     always.run(opened(fx["ruled_table"], fx["two_column"]))
     assert always.stats["find_tables_pages"] == 3 and always.stats["tables"] == 1
@@ -561,7 +563,7 @@ def test_corpus_statements_become_tables_and_prose_does_not():
 def test_corpus_scans_and_unmapped_fonts_are_image_only_and_the_poster_too_large():
     scans = sorted((CORPUS / "scanned").glob("*.pdf"))
     unmapped = [CORPUS / "malformed" / n for n in ("truetype_font_nomapping.pdf", "type3_font_nomapping.pdf")]
-    rows = PdfText().run(opened(*scans, *unmapped)).to_pylist()
+    rows = PdfText(ocr="never").run(opened(*scans, *unmapped)).to_pylist()
     assert rows and all(r["image_only"] and r["text"] == "" and r["error"] is None for r in rows)
     poster = PdfRender().run(opened(CORPUS / "malformed" / "poster.pdf")).to_pylist()[0]
     assert kind(poster["error"]) == "page_too_large"

@@ -1,0 +1,226 @@
+"""OCR for pages without a usable text layer: Tesseract's words, with boxes in PDF points, as a text-layer page.
+
+Tesseract (Debian's ``tesseract-ocr`` with its language packs; the Makefile installs it) reads the page rendered at
+``dpi`` and reports every word with its pixel box, its block, paragraph and line, and a confidence (TSV output). The
+words become a :class:`~stages.pdf_extract.PageContent` in the rotated page's points, exactly what the text layer
+gives, so reading order, headings and the layout columns treat a scan like a born-digital page. Sizes are the line
+heights (a scan has no fonts), bold is unknown (False).
+
+Tesseract runs as a child process per page: rendering stays in the calling thread (MuPDF is not thread-safe), the
+OCR of several pages, of one document or of a batch, runs in parallel threads that only wait on their child
+(:class:`OcrPool`).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pymupdf
+
+from docfuse.stages.pdf_extract import Line, PageContent, Word
+
+INSTALL_HINT = ("install Tesseract and its language data (Debian/Ubuntu: apt-get install tesseract-ocr "
+                "tesseract-ocr-eng; `make setup` does it), or set pdf.text's ocr: never")
+#: Mean word confidence under which a page is checked for text turned by 90, 180 or 270 degrees.
+LOW_CONFIDENCE = 0.6
+#: Tesseract's orientation confidence needed to turn a page (its scale: ~2 is a guess, 10+ is sure).
+MIN_OSD_CONFIDENCE = 2.0
+#: Seconds one page may take before it is an error row (a 2400-dpi page is rendered within the pixel cap first).
+PAGE_TIMEOUT_S = 300
+
+
+class OcrUnavailable(RuntimeError):
+    """Tesseract, or a language asked for, is missing; the message names the install step."""
+
+
+@dataclass(slots=True)
+class OcrResult:
+    """One page's OCR: its words as a usable PageContent, their mean confidence (0-1), and the dpi it ran at."""
+
+    content: PageContent
+    confidence: float | None
+    dpi: float
+    rotation: int = 0  # clockwise degrees the image was turned to read it (text baked in sideways or upside down)
+
+
+@functools.lru_cache(maxsize=1)
+def _binary() -> str:
+    path = shutil.which("tesseract")
+    if path is None:
+        raise OcrUnavailable(f"OCR needs the tesseract program, which is not on PATH; {INSTALL_HINT}")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def installed_languages() -> frozenset[str]:
+    """Languages Tesseract has data for (``tesseract --list-langs``)."""
+    out = subprocess.run([_binary(), "--list-langs"], capture_output=True, text=True, timeout=60)
+    return frozenset(line.strip() for line in out.stdout.splitlines()[1:] if line.strip())
+
+
+def check_languages(languages: Sequence[str]) -> str:
+    """The ``-l`` argument for ``languages``; raises OcrUnavailable naming the package of a missing one."""
+    missing = [lang for lang in languages if lang not in installed_languages()]
+    if missing:
+        packages = " ".join(f"tesseract-ocr-{lang}" for lang in missing)
+        raise OcrUnavailable(f"Tesseract has no data for {', '.join(missing)} (installed: "
+                             f"{', '.join(sorted(installed_languages())) or 'none'}); apt-get install {packages}, "
+                             "or change pdf.text's languages")
+    return "+".join(languages)
+
+
+def available() -> bool:
+    """Whether Tesseract can run here (tests and benchmarks skip without it)."""
+    try:
+        return bool(installed_languages())
+    except (OcrUnavailable, OSError, subprocess.SubprocessError):
+        return False
+
+
+def render_for_ocr(page: pymupdf.Page, dpi: float) -> bytes:
+    """The page as shown (its /Rotate applied), greyscale PNG at ``dpi``: what Tesseract reads."""
+    return page.get_pixmap(dpi=dpi, colorspace=pymupdf.csGRAY, alpha=False).tobytes("png")
+
+
+def run_tesseract(png: bytes, dpi: float, languages: str, psm: int = 3) -> str:
+    """Tesseract's TSV for one page image (psm 3: automatic layout, no orientation; psm 0: orientation only, as
+    text). One thread per child: pages run side by side instead."""
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    args = [_binary(), "stdin", "stdout", "--dpi", str(max(1, round(dpi))), "--psm", str(psm)]
+    args += ["-l", languages, "tsv"] if psm else []
+    try:
+        out = subprocess.run(args, input=png, capture_output=True, timeout=PAGE_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"OCR took over {PAGE_TIMEOUT_S} s on this page; lower pdf.text's ocr_dpi") from exc
+    if out.returncode != 0:
+        detail = out.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        raise OcrUnavailable(f"tesseract failed (exit {out.returncode}: {detail[0]}); {INSTALL_HINT}")
+    return out.stdout.decode("utf-8", errors="replace")
+
+
+def osd_rotation(png: bytes, dpi: float) -> int:
+    """Clockwise degrees (0, 90, 180, 270) that turn the page image's text upright, by Tesseract's orientation
+    detection; 0 when it cannot tell (too little text, no ``osd`` data)."""
+    try:
+        report = run_tesseract(png, dpi, "", psm=0)
+    except (OcrUnavailable, RuntimeError):
+        return 0
+    fields = dict(line.split(":", 1) for line in report.splitlines() if ":" in line)
+    try:
+        rotate, confidence = int(fields["Rotate"].strip()), float(fields["Orientation confidence"].strip())
+    except (KeyError, ValueError):
+        return 0
+    return rotate % 360 if confidence >= MIN_OSD_CONFIDENCE else 0
+
+
+def rotate_png(png: bytes, clockwise: int) -> bytes:
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png))
+    out = io.BytesIO()
+    image.rotate(-clockwise, expand=True).save(out, format="PNG")
+    return out.getvalue()
+
+
+def read_page(png: bytes, dpi: float, languages: str, number: int, width: float, height: float) -> OcrResult:
+    """OCR one page image of the page as shown (``width`` x ``height`` points). When the words read poorly
+    (mean confidence under LOW_CONFIDENCE) or run up or down the page, and orientation detection finds the text turned (a scan fed in sideways
+    or upside down), the image is turned upright and read again; the better reading wins. A page read turned has
+    its words in the upright frame (``width`` and ``height`` swap at 90 and 270), so reading order follows the
+    text, and ``rotation`` says by how much."""
+    first = parse_tsv(run_tesseract(png, dpi, languages), number, width, height, dpi)
+    if first.confidence is not None and first.confidence >= LOW_CONFIDENCE and not _sideways(first.content):
+        return first
+    clockwise = osd_rotation(png, dpi)
+    if not clockwise:
+        return first
+    w, h = (height, width) if clockwise in (90, 270) else (width, height)
+    turned = parse_tsv(run_tesseract(rotate_png(png, clockwise), dpi, languages), number, w, h, dpi)
+    turned.rotation = clockwise
+    if _sideways(first.content) and not _sideways(turned.content):
+        # the words were read either way; the upright reading is the one whose boxes give the reading order
+        return turned if (turned.confidence or 0.0) >= (first.confidence or 0.0) - 0.1 else first
+    return turned if (turned.confidence or 0.0) > (first.confidence or 0.0) else first
+
+
+def _sideways(content: PageContent) -> bool:
+    """Most words of three letters or more are taller than wide: Tesseract read lines running up or down the image
+    (it reads such text well, but the boxes then order the lines backwards or across)."""
+    long = [w for w in content.words if len(w.text) >= 3]
+    return bool(long) and sum((w.y1 - w.y0) > (w.x1 - w.x0) for w in long) > len(long) / 2
+
+
+def parse_tsv(tsv: str, number: int, width: float, height: float, dpi: float) -> OcrResult:
+    """Words of Tesseract's TSV as a PageContent in page points (``width`` x ``height``, the page as shown)."""
+    scale = 72.0 / dpi
+    content = PageContent(number=number, width=width, height=height)
+    lines: dict[tuple[int, int, int], Line] = {}
+    line_height: dict[tuple[int, int, int], float] = {}
+    confidences: list[float] = []
+    for row in csv.DictReader(io.StringIO(tsv), delimiter="\t", quoting=csv.QUOTE_NONE):
+        try:
+            level = int(row["level"])
+            key = (int(row["block_num"]), int(row["par_num"]), int(row["line_num"]))
+            left, top, w, h = (float(row[k]) for k in ("left", "top", "width", "height"))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if level == 4:
+            line_height[key] = h * scale
+            continue
+        text = (row.get("text") or "").strip()
+        if level != 5 or not text:
+            continue
+        conf = float(row.get("conf") or -1)
+        if conf >= 0:
+            confidences.append(conf / 100.0)
+        x0, y0 = left * scale, top * scale
+        word = Word(text, x0, y0, x0 + w * scale, y0 + h * scale, max(line_height.get(key, h * scale), 1.0), False)
+        lines.setdefault(key, Line(words=[])).words.append(word)
+    blocks: dict[int, list[Line]] = {}
+    for key in sorted(lines):
+        blocks.setdefault(key[0], []).append(lines[key])
+    content.blocks = list(blocks.values())
+    content.usable = bool(content.blocks)
+    content.reason = "" if content.usable else "OCR found no words on the page"
+    mean = sum(confidences) / len(confidences) if confidences else None
+    return OcrResult(content, mean, dpi)
+
+
+class OcrPool:
+    """OCR pages in worker threads while the caller goes on (to the next document of a batch).
+
+    ``submit`` renders the page here, in the calling thread (MuPDF is not thread-safe), and hands the image to a
+    worker that runs Tesseract as a child process; when ``2 * workers`` images are already waiting or running it
+    first waits for the oldest, so a 200-page scan holds a handful of page images, not 200. Use as a context manager.
+    """
+
+    def __init__(self, languages: Sequence[str], workers: int | None = None) -> None:
+        self.languages = check_languages(languages)  # raises OcrUnavailable before any page is rendered
+        self.workers = workers or max(1, os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="docfuse-ocr")
+        self._live: list[Future] = []
+
+    def submit(self, page: pymupdf.Page, dpi: float) -> Future:
+        self._live = [f for f in self._live if not f.done()]
+        while len(self._live) >= 2 * self.workers:
+            self._live.pop(0).exception()  # waits; the caller reads the result or the error from its future
+        rect = page.rect  # the page as shown: /Rotate applied, as the rendered image is
+        png = render_for_ocr(page, dpi)
+        future = self._pool.submit(read_page, png, dpi, self.languages, page.number, float(rect.width),
+                                   float(rect.height))
+        self._live.append(future)
+        return future
+
+    def __enter__(self) -> OcrPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,161 @@
+"""OCR of pages without a text layer (pdf.text ``ocr:``): Tesseract's words as a text-layer page, error rows when the
+engine is missing, born-digital pages left alone.
+
+Tests that run Tesseract skip when it is not installed (the Makefile installs it); the TSV parsing and the missing-
+engine paths run everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pymupdf
+import pytest
+
+from docfuse.stages import pdf_ocr
+from docfuse.stages.pdf import PdfOpen, PdfText
+from tests.test_pdf_stages import sources
+
+needs_tesseract = pytest.mark.skipif(not pdf_ocr.available(), reason="tesseract is not installed (make setup)")
+
+LINES = ["Invoice 4471 from Harbor Freight Systems", "The monthly fee is 4,250 euros, due on the first day.",
+         "Payment goes to account 88-1902 at North Bank.", "Disputes are settled in Rotterdam."]
+
+
+def _scan(folder: Path, name: str, rotate_image: int = 0, page_rotation: int = 0, pages: int = 1,
+          born_digital_first: bool = False) -> Path:
+    """An image-only PDF of LINES (rendered at 150 dpi); the image turned ``rotate_image`` degrees clockwise (text
+    baked in sideways or upside down), the page given /Rotate ``page_rotation``."""
+    doc = pymupdf.open()
+    if born_digital_first:
+        page = doc.new_page(width=612, height=792)
+        page.insert_text((72, 100), "Born digital cover page with a real text layer.", fontsize=12)
+    page = _source_page()
+    pix = page.get_pixmap(dpi=150, matrix=None) if not rotate_image else page.get_pixmap(
+        matrix=pymupdf.Matrix(150 / 72, 150 / 72).prerotate(rotate_image))
+    for _ in range(pages):
+        w, h = (792, 612) if rotate_image in (90, 270) else (612, 792)
+        out = doc.new_page(width=w, height=h)
+        out.insert_image(out.rect, pixmap=pix)
+        if page_rotation:
+            out.set_rotation(page_rotation)
+    path = folder / f"{name}.pdf"
+    doc.save(path)
+    return path
+
+
+def _source_page() -> pymupdf.Page:
+    """The born-digital page the scans are made from."""
+    page = pymupdf.open().new_page(width=612, height=792)
+    for i, line in enumerate(LINES):
+        page.insert_text((72, 120 + 28 * i), line, fontsize=14)
+    return page
+
+
+def texts(path: Path, **params) -> list[dict]:
+    return PdfText(**params).run(_opened(path)).to_pylist()
+
+
+def _opened(path: Path):
+    return PdfOpen().run(sources(path))
+
+
+def _words(text: str) -> set[str]:
+    return {w.strip(".,#").lower() for w in text.split() if w.strip(".,#")}
+
+
+def test_tsv_becomes_words_lines_and_blocks_in_page_points() -> None:
+    """No Tesseract needed: its TSV (pixels at 144 dpi) turns into words in points, grouped by block and line."""
+    head = "level\tpage_num\tblock_num\tpar_num\tline_num\tword_num\tleft\ttop\twidth\theight\tconf\ttext"
+    rows = [head, "1\t1\t0\t0\t0\t0\t0\t0\t1224\t1584\t-1\t",
+            "4\t1\t1\t1\t1\t0\t144\t144\t400\t40\t-1\t",
+            "5\t1\t1\t1\t1\t1\t144\t144\t200\t40\t96.5\tMonthly",
+            "5\t1\t1\t1\t1\t2\t360\t146\t180\t38\t90.5\tfee",
+            "4\t1\t2\t1\t1\t0\t144\t400\t300\t30\t-1\t",
+            "5\t1\t2\t1\t1\t1\t144\t400\t300\t30\t50\t4,250",
+            "5\t1\t2\t1\t1\t2\t0\t0\t0\t0\t-1\t "]
+    result = pdf_ocr.parse_tsv("\n".join(rows), 0, 612.0, 792.0, 144.0)
+    content = result.content
+    assert content.usable and [len(b) for b in content.blocks] == [1, 1]
+    first = content.blocks[0][0].words[0]
+    assert (first.text, first.x0, first.y0, first.x1, first.y1) == ("Monthly", 72.0, 72.0, 172.0, 92.0)
+    assert first.size == 20.0  # the line's height in points stands in for the font size
+    assert [w.text for w in content.words] == ["Monthly", "fee", "4,250"]
+    assert result.confidence == pytest.approx((0.965 + 0.905 + 0.50) / 3)
+    empty = pdf_ocr.parse_tsv(head, 3, 612.0, 792.0, 300.0)
+    assert not empty.content.usable and empty.confidence is None and "no words" in empty.content.reason
+
+
+def test_missing_engine_is_an_error_row_naming_the_install_step_and_the_text_pages_survive(tmp_path, monkeypatch):
+    path = _scan(tmp_path, "mixed", born_digital_first=True)
+    pdf_ocr._binary.cache_clear()
+    pdf_ocr.installed_languages.cache_clear()
+    monkeypatch.setattr(pdf_ocr.shutil, "which", lambda name: None)
+    try:
+        rows = texts(path)
+    finally:
+        pdf_ocr._binary.cache_clear()
+        pdf_ocr.installed_languages.cache_clear()
+    assert rows[0]["error"] is None and rows[0]["text_source"] == "layer" and "Born digital" in rows[0]["text"]
+    assert rows[1]["error"].startswith("ocr_unavailable:") and "apt-get install tesseract-ocr" in rows[1]["error"]
+    assert "ocr: never" in rows[1]["error"]
+    off = texts(path, ocr="never")  # the documented way out: scans stay empty, no error
+    assert off[1]["error"] is None and off[1]["text"] == "" and off[1]["text_source"] == "none"
+
+
+@needs_tesseract
+def test_scanned_page_reads_like_a_text_layer_and_born_digital_pages_are_left_alone(tmp_path):
+    path = _scan(tmp_path, "scan", born_digital_first=True)
+    stage = PdfText(layout=True)
+    rows = stage.run(_opened(path)).to_pylist()
+    cover, scan = rows
+    assert cover["text_source"] == "layer" and cover["ocr_confidence"] is None and not cover["image_only"]
+    assert stage.stats["ocr_pages"] == 1  # auto: only the page without a text layer
+    assert scan["error"] is None and scan["image_only"] and scan["text_source"] == "ocr"
+    assert scan["ocr_confidence"] > 0.8
+    truth = _words(" ".join(LINES))
+    assert len(truth & _words(scan["text"])) >= 0.9 * len(truth), scan["text"]
+    assert scan["text"].index("Invoice") < scan["text"].index("Rotterdam")  # reading order
+    fee = next(w for w in scan["words"] if w["text"].startswith("4,250"))
+    truth = _source_page().search_for("4,250")[0]  # where the text layer had it, in PDF points
+    # MuPDF's box runs from the ascender, OCR's from the ink: a few points apart at 14 pt
+    assert abs(fee["x0"] - truth.x0) < 4 and abs(fee["y0"] - truth.y0) < 7 and abs(fee["y1"] - truth.y1) < 4
+    always = PdfText(ocr="always").run(_opened(path)).to_pylist()
+    assert always[0]["text_source"] == "ocr" and "Born" in always[0]["text"]
+
+
+@needs_tesseract
+@pytest.mark.parametrize("turned", [90, 180, 270])
+def test_text_baked_in_turned_is_read_upright(tmp_path, turned):
+    rows = texts(_scan(tmp_path, f"turned{turned}", rotate_image=turned))
+    row = rows[0]
+    assert row["error"] is None and row["text_source"] == "ocr" and row["ocr_confidence"] > 0.8, row
+    assert row["text"].index("Invoice") < row["text"].index("Rotterdam")
+    assert "4,250" in row["text"]
+
+
+@needs_tesseract
+def test_page_rotate_entry_is_read_as_shown(tmp_path):
+    row = texts(_scan(tmp_path, "rot", page_rotation=90, rotate_image=270))[0]
+    assert row["error"] is None and row["text_source"] == "ocr" and "Rotterdam" in row["text"]
+
+
+@needs_tesseract
+def test_missing_language_names_its_package(tmp_path):
+    row = texts(_scan(tmp_path, "scan"), languages=["xyz"])[0]
+    assert row["error"].startswith("ocr_unavailable:") and "tesseract-ocr-xyz" in row["error"]
+
+
+@needs_tesseract
+def test_huge_page_is_read_within_the_pixel_cap(tmp_path):
+    doc = pymupdf.open()
+    page = doc.new_page(width=14400, height=14400)  # 200 x 200 inches: 1.9 billion pixels at 300 dpi
+    page.insert_text((720, 2000), "Poster headline in large type", fontsize=400)
+    pix = page.get_pixmap(dpi=6)
+    scan = pymupdf.open()
+    out = scan.new_page(width=14400, height=14400)
+    out.insert_image(out.rect, pixmap=pix)
+    path = tmp_path / "poster.pdf"
+    scan.save(path)
+    row = texts(path, ocr_max_pixels=4_000_000)[0]
+    assert row["error"] is None or row["error"].startswith("page_too_large:")
