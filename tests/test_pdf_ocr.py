@@ -159,3 +159,22 @@ def test_huge_page_is_read_within_the_pixel_cap(tmp_path):
     scan.save(path)
     row = texts(path, ocr_max_pixels=4_000_000)[0]
     assert row["error"] is None or row["error"].startswith("page_too_large:")
+
+
+@needs_tesseract
+@pytest.mark.slow
+def test_ask_answers_from_a_scan_of_the_sample(tmp_path):
+    """QA over scans: the sample contract printed to images (150 dpi, no text layer) answers as the original does."""
+    from tests.test_e2e import ROOT, docfuse
+
+    src = pymupdf.open(ROOT / "data" / "sample.pdf")
+    scan = pymupdf.open()
+    for page in src:
+        out = scan.new_page(width=page.rect.width, height=page.rect.height)
+        out.insert_image(out.rect, pixmap=page.get_pixmap(dpi=150))
+    path = tmp_path / "sample_scan.pdf"
+    scan.save(path)
+    assert not pymupdf.open(path)[0].get_text().strip()
+    res = docfuse("ask", str(path), "What is the monthly fee?", "--no-cache")
+    assert res.returncode == 0, res.stderr
+    assert "4250" in res.stdout.replace(",", ""), res.stdout  # the fee (the model may drop the thousands comma)
