@@ -44,6 +44,8 @@ LAST_STATS: dict[str, Any] = {}
 #: Batch sizes a step is built (and on CUDA captured) for; the live streams run in the smallest that holds them.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GB = 1 << 30
+#: Share of the device memory left beside the run's streams that an open document's exact archive may take.
+ARCHIVE_ROOM_SHARE = 0.8
 
 
 @dataclass
@@ -141,7 +143,8 @@ class Engine:
         archive: where the open document's exact K/V wait while its questions start: ``device``
             (:class:`~runtime.kv.background.DeviceArchive`: each question's exact read and re-tier are slices),
             ``host`` (LZ4 in host memory, as ``Session`` keeps it: less device memory, slower questions), ``auto``:
-            the device on CUDA when the document's full K/V take at most an eighth of the card, else the host.
+            the device on CUDA when the document's full K/V take at most an eighth of the card, or fit (with a
+            margin) beside the pool every stream of the run needs, else the host.
         stop_when: called with a stream's answer tokens after each new one; True ends the stream
             (``runtime.stopping.Stopper.should_stop``: stop strings, repeats), as in ``Session``.
     """
@@ -165,6 +168,8 @@ class Engine:
         self.archive = archive
         self.stop_when = stop_when
         self._writer: Any = None
+        #: device bytes an open document's exact K/V may take beside the pool (set per run by ``_make_pool``)
+        self._archive_room = 0
         self.pool: PagePool | None = None
         self.steps: dict[int, BatchStep] = {}
         #: What the last run did: steps, the largest number of live streams, bucket use, step seconds.
@@ -186,7 +191,7 @@ class Engine:
         core, assoc = self.stream_tokens(prefix, question)
         return pages_for(core + max_new, self.shape.page), pages_for(assoc, self.shape.page)
 
-    def prefill_reserve(self, tokens: int) -> int:
+    def prefill_reserve(self, tokens: int, archive: bool | None = None) -> int:
         """Device bytes a document of ``tokens`` needs outside the pool while it is open: its cache (the full one
         for a token-major prefill, the tiers and one layer's full K/V for a layer-major one) and the activations of
         one chunk."""
@@ -200,7 +205,7 @@ class Engine:
             cache = tiers + 2 * full // s.layers + tokens * hidden * item * 2
         else:
             cache = full
-        if self._device_archive(tokens):
+        if self._device_archive(tokens) if archive is None else archive:
             cache += full
         chunk = min(tokens, self.prefill_chunk)
         inter = int(getattr(config, "intermediate_size", 4 * hidden))
@@ -217,7 +222,8 @@ class Engine:
             return self.archive == "device"
         if self.device.type != "cuda":
             return False
-        return self._full_bytes(tokens) <= torch.cuda.get_device_properties(self.device).total_memory // 8
+        full = self._full_bytes(tokens)
+        return full <= torch.cuda.get_device_properties(self.device).total_memory // 8 or full <= self._archive_room
 
     def _layer_major(self, tokens: int) -> bool:
         return self.kv.prefill == "layers" or tokens >= self.layer_major_from
@@ -238,6 +244,13 @@ class Engine:
                 free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
                     - torch.cuda.memory_allocated(self.device)
                 logits = max(self.buckets) * int(self.model.config.vocab_size) * 4 * 4
+                # an open document's exact K/V may also wait on the device (its questions then start from slices,
+                # not from the host) when they fit beside everything this run's streams need: one 128K document
+                # on an 80 GB card, not 32 of them
+                self._archive_room = 0
+                need_bytes = sum(c * s.core_page_bytes + a * s.assoc_page_bytes for (c, a), n in need for _ in range(n))
+                spare = free - logits - self.prefill_reserve(longest, archive=False) - need_bytes
+                self._archive_room = int(spare * ARCHIVE_ROOM_SHARE)
                 nbytes = int((free - self.prefill_reserve(longest) - logits) * self.memory_fraction)
             else:
                 nbytes = GB
