@@ -178,3 +178,28 @@ def test_ask_answers_from_a_scan_of_the_sample(tmp_path):
     res = docfuse("ask", str(path), "What is the monthly fee?", "--no-cache")
     assert res.returncode == 0, res.stderr
     assert "4250" in res.stdout.replace(",", ""), res.stdout  # the fee (the model may drop the thousands comma)
+
+
+@needs_tesseract
+def test_skewed_scan_is_measured_and_read_straight():
+    """A scan turned 3 degrees: the skew is estimated from the lines (within half a degree), and the kept reading
+    has every line's words with their boxes where the skewed image shows them."""
+    import io
+
+    from PIL import Image
+
+    page = _source_page()
+    image = Image.open(io.BytesIO(page.get_pixmap(dpi=300).tobytes("png"))).convert("L")
+    out = io.BytesIO()
+    image.rotate(3, resample=Image.BICUBIC, fillcolor=255).save(out, format="PNG")
+    png = out.getvalue()
+    first = pdf_ocr.parse_tsv(pdf_ocr.run_tesseract(png, 300, "eng"), 0, 612.0, 792.0, 300)
+    assert abs(pdf_ocr.skew_degrees(first.content) + 3) < 0.5
+    kept = pdf_ocr.read_page(png, 300, "eng", 0, 612.0, 792.0)
+    assert kept.skew == pytest.approx(pdf_ocr.skew_degrees(first.content))  # the straightened reading won
+    truth = _words(" ".join(LINES))
+    assert len(truth & _words(" ".join(w.text for w in kept.content.words))) >= 0.9 * len(truth)
+    where = {w.text: (w.cx, w.cy) for w in first.content.words}
+    for w in kept.content.words:  # the same word sits at the same place in either reading (page as shown)
+        if w.text in where:
+            assert abs(w.cx - where[w.text][0]) < 5 and abs(w.cy - where[w.text][1]) < 5, w
