@@ -194,11 +194,18 @@ def ask(
     no_cache: Annotated[bool, typer.Option("--no-cache")] = False,
     max_new_tokens: Annotated[Optional[int], typer.Option(min=1, help="Most answer tokens (answer.max_new_tokens).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the answer row as JSON on stdout.")] = False,
+    kv_store: Annotated[Optional[Path], typer.Option(help="Prefilled documents' KV caches, so a second question "
+                                                          "about the same document skips its prefill (default: "
+                                                          "<cache-dir>/kv; off with --no-cache).")] = None,
 ) -> None:
     """Answer one question about one document with the built-in QA pipeline, and print the answer."""
     name = pipeline or ("text_qa" if file.suffix.lower() in {".txt", ".md", ".markdown"} else "pdf_qa")
     extra = [f"answer.max_new_tokens={max_new_tokens}"] if max_new_tokens is not None else []
     pipe = load_pipeline(name, [*(set_ or []), *extra])
+    answer = pipe.stages.get("answer")
+    if (not no_cache or kv_store is not None) and answer is not None and answer.stage == "decode.generate" \
+            and "kv_store" not in answer.params:
+        pipe.set("answer.kv_store", str(kv_store or cache_dir / "kv"))
     pipe.set("params.questions", None)
     pipe.set("params.question", question)
     live = sys.stdout.isatty() and not as_json

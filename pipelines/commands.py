@@ -18,7 +18,8 @@ GROUP = "docfuse.commands"
 #: added to pyproject.toml keeps its old metadata until it is reinstalled (``make setup`` does it), and its group
 #: lacks the entry; such entries are loaded from here instead, by the same name, so their commands never go missing.
 BUILTIN = (EntryPoint("fusion", "docfuse.fusion.cli:app", GROUP),
-           EntryPoint("pruning", "docfuse.runtime.pruning.cli:app", GROUP))
+           EntryPoint("pruning", "docfuse.runtime.pruning.cli:app", GROUP),
+           EntryPoint("kv-store", "docfuse.runtime.kv_store_cli:app", GROUP))
 
 
 def command_entry_points() -> list[EntryPoint]:

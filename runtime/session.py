@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -139,7 +140,7 @@ class Session:
     def __init__(self, model: Any, tokenizer: Any, prompt: ChatPrompt | None = None,
                  max_context: int | None = None, kv: KVConfig | dict | None = None,
                  pruning: PruningConfig | dict | None = None, stop: Any = None, cite: bool = False,
-                 sampling: Sampling | None = None) -> None:
+                 sampling: Sampling | None = None, kv_store: Any = None) -> None:
         """``max_context`` lowers the context window below the model's (to bound memory, or in tests).
 
         ``kv``: None for a plain full cache, else the tiered cache's budgets (a KVConfig or its dict).
@@ -151,6 +152,8 @@ class Session:
         per question so the same question over the same document gives the same answer run after run.
         ``cite``: fill each answer's ``cited_pages`` from its attention over the document (runtime.citations; a
         full cache only: the tiered cache leaves it None).
+        ``kv_store``: a :class:`runtime.kv_store.KVStore`: a document prefilled before (same model, prefix, dtype
+        and chunk size) is loaded from it instead of prefilled, and a new one is stored (a full cache only).
         """
         self.kv = as_kv_config(kv) if kv is not None else None
         self.model = model
@@ -170,6 +173,9 @@ class Session:
         self.prefix_length = 0
         self.prefix_ids: list[int] = []
         self.cite = cite
+        self.kv_store = kv_store
+        #: Whether the last ``prefill`` loaded the document's cache from ``kv_store`` instead of computing it.
+        self.loaded_from_store = False
         self.sampling = sampling if sampling is not None and sampling.temperature > 0 else None
         self._citer: Any = None  # runtime.citations.Citer of the prefilled document, made at its first citation
         #: How many document prefills this session ran (one per document, however many questions).
@@ -216,6 +222,17 @@ class Session:
             raise ContextTooLong(len(ids), 1, self.limit)
         metrics.reset_peak_memory(self.device)
         started = metrics.now(self.device)
+        store_key = None
+        self.loaded_from_store = False
+        if self.kv_store is not None and self.kv is None and ids:
+            from docfuse.runtime.kv_store import fill_dynamic
+
+            store_key = self.kv_store.key(self.model, ids, embeds=embeds, chunk_size=chunk_size)
+            layers = self.kv_store.load(store_key)
+            if layers is not None:  # the same prefill ran before: its exact state, bit for bit
+                self.cache = fill_dynamic(self.model.config, layers, self.device)
+                self.loaded_from_store = True
+                return self._prefilled(ids, started)
         self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
         if self.kv is not None and self.kv.prefill == "layers" and ids:
             if self.device.type == "cuda" and self._writer is None:
@@ -224,11 +241,23 @@ class Session:
                 self._writer = ArchiveWriter()
         fill_cache(self.model, self.cache, ids, chunk_size, embeds,
                    layers=self.kv is not None and self.kv.prefill == "layers", writer=self._writer)
+        self.document_prefills += 1
+        seconds = self._prefilled(ids, started)
+        if store_key is not None:  # after the clock: storing is not the first answer's wait
+            from docfuse.runtime.kv_store import cache_layers
+
+            try:
+                self.kv_store.save(store_key, cache_layers(self.cache))
+            except OSError as exc:  # a full or read-only disk costs the next run a prefill, nothing more
+                warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next "
+                              "run prefills it again", stacklevel=2)
+        return seconds
+
+    def _prefilled(self, ids: list[int], started: float) -> float:
         self.prefix_length = self.cache.get_seq_length()
         self.prefix_ids = ids
         self._citer = None
         self.document_prefill_s = metrics.now(self.device) - started
-        self.document_prefills += 1
         self._charge_prefill = True
         return self.document_prefill_s
 

@@ -57,6 +57,10 @@ class DecodeParams(StageParams):
                                                           "that hold this share of the probability")
     seed: int = Field(0, ge=0, description="with temperature > 0: the sampler's seed (per question, so answers "
                                            "repeat run after run)")
+    kv_store: str | None = Field(None, description="a folder of prefilled documents' KV caches (runtime.kv_store): "
+                                    "a document prefilled before is loaded instead of read again; null turns it off; "
+                                    "docfuse ask uses <cache-dir>/kv. Full caches (kv: null) on the CPU path only")
+    kv_store_max_gb: float = Field(20.0, gt=0, description="the KV store's size cap; least recently used go first")
     cite: bool = Field(True, description="fill cited_pages: the pages the answer's own attention drew on most "
                                          "(one extra forward of the answer's tokens; a full cache only, kv: null)")
     ignore_eos: bool = Field(False, description="decode max_new_tokens for every answer, past end-of-sequence "
@@ -144,9 +148,14 @@ class DecodeGenerate(Stage):
         p = self.params
         model, tokenizer = shared_model(p.model, p.dtype, p.device)
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
+        store = None
+        if p.kv_store:
+            from docfuse.runtime.kv_store import KVStore
+
+            store = KVStore(p.kv_store, int(p.kv_store_max_gb * 1e9))
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
                                pruning=p.pruning, stop=p.stop, cite=p.cite,
-                               sampling=Sampling(p.temperature, p.top_p, p.seed))
+                               sampling=Sampling(p.temperature, p.top_p, p.seed), kv_store=store)
         if p.ignore_eos:
             self.session.stop_ids = set()
         wanted = p.engine == "on" or (p.engine == "auto" and self.session.device.type == "cuda" and p.kv is not None)

@@ -18,7 +18,7 @@ from docfuse.fusion.run import parser
 from docfuse.pipelines import commands
 
 ROOT = Path(__file__).resolve().parents[1]
-MOUNTED = {"train-fusion", "train-fusion-read", "eval-fusion", "calibrate-pruning"}
+MOUNTED = {"train-fusion", "train-fusion-read", "eval-fusion", "calibrate-pruning", "kv-store"}
 
 CLASH = typer.Typer()
 CLASH.command("run")(lambda: None)
@@ -39,7 +39,7 @@ def test_builtin_commands_load_even_where_the_installed_metadata_lacks_them(monk
     assert commands.command_entry_points() == list(commands.BUILTIN)
     listed = [EntryPoint("fusion", "docfuse.fusion.cli:app", commands.GROUP)]
     monkeypatch.setattr(commands, "entry_points", lambda group: listed)
-    assert [ep.name for ep in commands.command_entry_points()] == ["fusion", "pruning"]
+    assert [ep.name for ep in commands.command_entry_points()] == ["fusion", "pruning", "kv-store"]
 
 
 @pytest.mark.parametrize("target, error, message", [

@@ -1,0 +1,225 @@
+"""A folder of prefilled KV caches: ask about a document again without reading it again (issue 24, first build).
+
+An entry is one document's full KV cache after its prefill, keyed by everything that shapes those numbers: the
+model's fingerprint (config, and a sample of every weight tensor's bytes), the exact prefix token ids, the fused
+rows' bytes when fusion replaced embeddings, the dtype, the device type and the prefill chunk size (a bf16 prefill in
+chunks of 256 is not the same state as in chunks of 512). A key that matches loads bit for bit the tensors the
+prefill made; anything else misses.
+
+Each entry is one file: a magic line, a JSON header (shapes, dtype, the byte planes' lengths), the K/V of every
+layer as LZ4-compressed byte planes (``runtime.kv.background``: exact, lossless), and a SHA-256 of everything before
+it. Writes go to a temporary file in the same folder, are fsynced, then renamed over the entry, so a reader sees a
+whole entry or none, and two writers of one entry leave one whole entry. A load that finds a torn, truncated or
+altered file deletes it, warns with its name, and reports a miss: the caller prefills again. The folder keeps at
+most ``max_bytes``, least recently used entries going first.
+
+This build stores full caches (``kv: null``, the default path of ``docfuse ask`` and the QA pipelines) for the CPU
+``Session``; a tiered cache or the GPU engine prefill as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from docfuse.runtime.kv.background import ExactBlob, pack_exact, unpack_exact
+
+MAGIC = b"docfuse-kv-store 1\n"
+SUFFIX = ".dfkv"
+DEFAULT_MAX_BYTES = 20 * 10**9
+_DIGEST = 32
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's config and, per weight tensor, its name, shape, dtype and up to 4,096 of its values
+    taken evenly across it (reading every byte of a large model each run would cost seconds)."""
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    h.update((config.to_json_string(use_diff=False) if config is not None else type(model).__name__).encode())
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // 4096)
+            sample = flat[::step][:4096].to("cpu").contiguous()
+            h.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return h.hexdigest()  # not cached: a model changed in place (training) must get a new fingerprint
+
+
+@dataclass
+class Entry:
+    """One stored document: its file, size, tokens, source and last use (the file's modification time)."""
+
+    path: Path
+    nbytes: int
+    tokens: int
+    source: str
+    last_used: float
+
+
+class KVStore:
+    """Prefilled full KV caches in ``folder`` (see the module docstring)."""
+
+    def __init__(self, folder: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.folder = Path(folder)
+        self.max_bytes = int(max_bytes)
+        self.hits = self.misses = self.refused = 0
+
+    # ---- keys ------------------------------------------------------------------------------------------------
+    def key(self, model: torch.nn.Module, ids: Sequence[int], *, embeds: torch.Tensor | None = None,
+            chunk_size: int = 512) -> str:
+        """The entry name for this model, prefix and prefill: a SHA-256 over everything that shapes the cache."""
+        h = hashlib.sha256()
+        device = next(model.parameters()).device
+        h.update(json.dumps({"format": 1, "model": model_fingerprint(model), "dtype": str(model.dtype),
+                             "device": device.type, "chunk": int(chunk_size), "tokens": len(ids)}).encode())
+        h.update(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes())
+        if embeds is not None:
+            h.update(embeds.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}{SUFFIX}"
+
+    # ---- write -----------------------------------------------------------------------------------------------
+    def save(self, key: str, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, source: str = "") -> Path:
+        """Store the per-layer (keys, values) [B, H, T, D] of a full cache under ``key``, atomically."""
+        blobs = [pack_exact(t) for k, v in layers for t in (k, v)]
+        header = {"tokens": int(layers[0][0].shape[2]) if layers else 0, "source": source, "saved": time.time(),
+                  "tensors": [{"dtype": str(b.dtype), "shape": list(b.shape), "planes": [len(p) for p in b.planes]}
+                              for b in blobs]}
+        head = json.dumps(header).encode()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=SUFFIX)
+        try:
+            digest = hashlib.sha256()
+            with os.fdopen(fd, "wb") as f:
+                for piece in (MAGIC, struct.pack("<Q", len(head)), head, *(p for b in blobs for p in b.planes)):
+                    f.write(piece)
+                    digest.update(piece)
+                f.write(digest.digest())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(key))  # atomic: a reader sees the old entry, the new one, or none
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.prune()
+        return self.path(key)
+
+    # ---- read ------------------------------------------------------------------------------------------------
+    def load(self, key: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The stored (keys, values) per layer, on the host, or None on a miss. An entry that fails any check is
+        deleted with a warning naming it (the caller prefills again): a damaged entry is never used."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self.misses += 1
+            return None
+        try:
+            layers = _decode(data)
+        except Exception as exc:  # any damage at all: never use it
+            self.refused += 1
+            self.misses += 1
+            path.unlink(missing_ok=True)
+            warnings.warn(f"KV store entry {path} is damaged ({exc}); it was deleted and the document is read again",
+                          stacklevel=2)
+            return None
+        os.utime(path)  # last use, for the least-recently-used pruning
+        self.hits += 1
+        return layers
+
+    # ---- housekeeping ----------------------------------------------------------------------------------------
+    def entries(self) -> list[Entry]:
+        """Every entry, most recently used first (tokens and source from each header; damaged ones say so)."""
+        out = []
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            if path.name.startswith(".tmp-"):
+                continue
+            try:
+                stat = path.stat()
+                with path.open("rb") as f:
+                    if f.read(len(MAGIC)) != MAGIC:
+                        raise ValueError("not an entry")
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(n))
+                out.append(Entry(path, stat.st_size, int(header["tokens"]), str(header.get("source", "")),
+                                 stat.st_mtime))
+            except (OSError, ValueError, KeyError, struct.error):
+                out.append(Entry(path, path.stat().st_size if path.exists() else 0, 0, "(damaged)", 0.0))
+        return sorted(out, key=lambda e: -e.last_used)
+
+    def prune(self, max_bytes: int | None = None) -> tuple[int, int]:
+        """Delete least recently used entries until the folder holds at most ``max_bytes``; (entries, bytes) gone."""
+        limit = self.max_bytes if max_bytes is None else max_bytes
+        entries = self.entries()
+        total = sum(e.nbytes for e in entries)
+        gone = freed = 0
+        for entry in reversed(entries):  # least recently used first
+            if total <= limit:
+                break
+            entry.path.unlink(missing_ok=True)
+            total -= entry.nbytes
+            gone, freed = gone + 1, freed + entry.nbytes
+        return gone, freed
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every entry (and stray temporary files); (entries, bytes) gone."""
+        gone = freed = 0
+        for path in list(self.folder.glob(f"*{SUFFIX}")):
+            freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+            gone += 1
+        return gone, freed
+
+
+def _decode(data: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Check and unpack one entry's bytes; raises ValueError on any mismatch."""
+    if len(data) < len(MAGIC) + 8 + _DIGEST or not data.startswith(MAGIC):
+        raise ValueError("not a docfuse KV store entry, or truncated")
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        raise ValueError("checksum mismatch")
+    (n,) = struct.unpack_from("<Q", data, len(MAGIC))
+    start = len(MAGIC) + 8
+    header = json.loads(body[start: start + n])
+    offset = start + n
+    tensors = []
+    for spec in header["tensors"]:
+        planes = []
+        for size in spec["planes"]:
+            planes.append(body[offset: offset + size])
+            offset += size
+        dtype = _DTYPES[spec["dtype"]]
+        tensors.append(unpack_exact(ExactBlob(dtype, tuple(spec["shape"]), planes, "lz4")))
+    if offset != len(body) or len(tensors) % 2:
+        raise ValueError("payload does not match its header")
+    return [(tensors[i], tensors[i + 1]) for i in range(0, len(tensors), 2)]
+
+
+def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer of a transformers DynamicCache."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def fill_dynamic(config: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Any:
+    """A DynamicCache holding ``layers`` on ``device``: the state a prefill of the same prefix leaves."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for i, (k, v) in enumerate(layers):
+        cache.update(k.to(device), v.to(device), i)
+    return cache

@@ -1,0 +1,148 @@
+"""The KV store (runtime.kv_store): a stored prefill loads bit for bit, keys miss on any change, a damaged entry is
+never used, concurrent writers leave one whole entry, the folder keeps to its size.
+
+Store-level tests use a tiny random Llama; one slow test runs the embedded model through ``Session``.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from docfuse.runtime.kv_store import KVStore, cache_layers, fill_dynamic, model_fingerprint
+from docfuse.runtime.session import fill_cache
+
+
+def tiny(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval().to(dtype)
+
+
+def prefilled(model, ids: list[int], chunk: int = 16) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        fill_cache(model, cache, ids, chunk)
+    return cache
+
+
+def next_logits(model, cache, token: int = 7) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+
+
+IDS = list(range(3, 60))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stored_prefill_answers_bit_for_bit_as_a_fresh_one(tmp_path, dtype):
+    model = tiny(dtype=dtype)
+    store = KVStore(tmp_path)
+    key = store.key(model, IDS, chunk_size=16)
+    assert store.load(key) is None and store.misses == 1
+    fresh = prefilled(model, IDS)
+    store.save(key, cache_layers(fresh))
+    loaded = fill_dynamic(model.config, store.load(key), torch.device("cpu"))
+    assert store.hits == 1 and loaded.get_seq_length() == len(IDS)
+    assert torch.equal(next_logits(model, loaded), next_logits(model, prefilled(model, IDS)))
+
+
+def test_keys_miss_on_any_change_that_shapes_the_state(tmp_path):
+    store = KVStore(tmp_path)
+    model = tiny()
+    base = store.key(model, IDS, chunk_size=16)
+    assert store.key(model, IDS, chunk_size=16) == base
+    other = tiny()
+    assert store.key(other, IDS, chunk_size=16) == base  # same weights, another object: a hit
+    with torch.no_grad():
+        other.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # fine-tuned: every value moves
+    assert store.key(tiny(seed=1), IDS, chunk_size=16) != base
+    assert model_fingerprint(other) != model_fingerprint(model)
+    assert store.key(model, IDS[:-1], chunk_size=16) != base
+    assert store.key(model, IDS, chunk_size=32) != base  # another chunking is another bf16 state
+    assert store.key(model, IDS, chunk_size=16, embeds=torch.zeros(len(IDS), 64)) != base
+    assert store.key(tiny(dtype=torch.bfloat16), IDS, chunk_size=16) != base
+
+
+def test_damaged_entries_are_never_used(tmp_path):
+    """1,000 entries, each with random bytes changed or cut off: every load either refuses (and deletes the file,
+    with a warning naming it) or returns exactly the stored tensors."""
+    model = tiny()
+    store = KVStore(tmp_path)
+    key = store.key(model, IDS[:20], chunk_size=16)
+    good = cache_layers(prefilled(model, IDS[:20]))
+    store.save(key, good)
+    pristine = store.path(key).read_bytes()
+    rng = random.Random(0)
+    refused = 0
+    for trial in range(1000):
+        data = bytearray(pristine)
+        if trial % 4 == 3:
+            data = data[: rng.randrange(len(data))]  # torn write
+        else:
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        store.path(key).write_bytes(bytes(data))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = store.load(key)
+        if got is None:
+            refused += 1
+            assert not store.path(key).exists() and any(key in str(w.message) for w in caught)
+        else:
+            assert all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(got, good) for a, b in ((ka, kb), (va, vb)))
+    assert refused == 1000
+
+
+def test_concurrent_writers_leave_one_whole_entry(tmp_path):
+    model = tiny()
+    store = KVStore(tmp_path)
+    key = store.key(model, IDS, chunk_size=16)
+    layers = cache_layers(prefilled(model, IDS))
+    threads = [threading.Thread(target=store.save, args=(key, layers)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [p.name for p in tmp_path.iterdir()] == [store.path(key).name]  # no temporary file left behind
+    got = store.load(key)
+    assert got is not None and all(torch.equal(a, b) for (a, _), (b, _) in zip(got, layers))
+
+
+def test_least_recently_used_entries_go_first(tmp_path):
+    import os
+    import time
+
+    model = tiny()
+    store = KVStore(tmp_path)
+    keys = [store.key(model, IDS[:n], chunk_size=16) for n in (20, 30, 40)]
+    for i, (key, n) in enumerate(zip(keys, (20, 30, 40))):
+        store.save(key, cache_layers(prefilled(model, IDS[:n])))
+        os.utime(store.path(key), (time.time() - 100 + i, time.time() - 100 + i))
+    store.load(keys[0])  # used now: the newest
+    sizes = {k: store.path(k).stat().st_size for k in keys}
+    gone, _ = store.prune(sizes[keys[0]] + sizes[keys[2]])
+    assert gone == 1 and not store.path(keys[1]).exists() and store.path(keys[0]).exists()
+    assert [e.tokens for e in store.entries()] == [20, 40]
+    assert store.clear()[0] == 2 and store.entries() == []
+
+
+@pytest.mark.slow
+def test_session_loads_a_stored_document_and_answers_the_same(smollm2, tmp_path):
+    from docfuse.runtime.session import Session
+
+    model, tokenizer = smollm2
+    document = "The monthly fee is 4,250 euros. " * 40 + "The agreement is governed by Dutch law."
+    answers = []
+    for run in range(2):
+        session = Session(model, tokenizer, kv_store=KVStore(tmp_path))
+        session.prefill(session.fit_document(document, max_new_tokens=16))
+        assert session.loaded_from_store == (run == 1) and session.document_prefills == (1 - run)
+        answers.append(session.ask("Which law governs the agreement?", 16))
+    assert answers[0].text == answers[1].text and answers[0].new_tokens == answers[1].new_tokens
