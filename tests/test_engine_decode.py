@@ -244,3 +244,21 @@ def test_a_fused_document_prefills_from_its_embedding_rows() -> None:
     assert fused[0][0].tokens == plain[0][0].tokens
     other = Engine(model, KV, set()).run([Document(prefix, [ids(8, 91)], max_new_tokens=8, embeds=rows * 3.0)])
     assert other[0][0].tokens != plain[0][0].tokens
+
+
+def test_the_open_documents_archive_stays_on_the_card_when_it_fits_beside_the_streams(monkeypatch) -> None:
+    """archive: auto on CUDA: the device when the document's full K/V take an eighth of the card or less, or when
+    they fit in what the run's streams leave (one long document alone), else the host. The rule, on the CPU with the
+    card's sizes stood in."""
+    from types import SimpleNamespace
+
+    model = tiny()
+    engine = Engine(model, KV, set())
+    assert not engine._device_archive(100)  # off CUDA: the host, whatever the sizes
+    engine.device = torch.device("cuda")
+    card = 8 * engine._full_bytes(1000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=card))
+    assert engine._device_archive(1000) and not engine._device_archive(1001)  # an eighth of the card
+    engine._archive_room = engine._full_bytes(5000)  # room left beside the streams
+    assert engine._device_archive(5000) and not engine._device_archive(5001)
+    assert Engine(model, KV, set(), archive="host")._device_archive(10) is False
