@@ -221,22 +221,32 @@ class PdfText(Stage):
         for i, item in enumerate(extracted):
             if not isinstance(item, _Extracted) or (p.ocr == "auto" and item.content.usable):
                 continue
-            page = doc.load_page(i)
-            dpi = fit_dpi(float(page.rect.width), float(page.rect.height), p.ocr_dpi, p.ocr_max_pixels)
-            if dpi < MIN_OCR_DPI:
-                if not item.content.usable:
-                    extracted[i] = error_value("page_too_large", f"page {i} is too large to OCR within ocr_max_pixels "
-                                               f"({p.ocr_max_pixels}) at {MIN_OCR_DPI} dpi or more; raise pdf.text's "
-                                               "ocr_max_pixels")
-                continue
-            if dpi < p.ocr_dpi:
-                LOG.warning("page %d is OCR'd at %.0f dpi, not %.0f: the page image would exceed ocr_max_pixels",
-                            i, dpi, p.ocr_dpi)
             try:
-                extracted[i] = (item, pool.get().submit(page, dpi))
-            except OcrUnavailable as exc:  # no engine or no language data: the page says what to install
+                self._submit_page(doc, i, item, extracted, pool)
+            except Exception as exc:  # one page's render or hand-over failed: that page says so, the rest go on
                 if not item.content.usable:
-                    extracted[i] = error_value("ocr_unavailable", str(exc))
+                    extracted[i] = error_value("ocr_failed", f"OCR of page {i} failed ({type(exc).__name__}: "
+                                               f"{exc}); the other pages are fine")
+
+    def _submit_page(self, doc: pymupdf.Document, i: int, item: _Extracted, extracted: list, pool: _LazyPool) -> None:
+        """Render page ``i`` for OCR at the dpi its pixel budget allows and hand it to the pool."""
+        p = self.params
+        page = doc.load_page(i)
+        dpi = fit_dpi(float(page.rect.width), float(page.rect.height), p.ocr_dpi, p.ocr_max_pixels)
+        if dpi < MIN_OCR_DPI:
+            if not item.content.usable:
+                extracted[i] = error_value("page_too_large", f"page {i} is too large to OCR within ocr_max_pixels "
+                                           f"({p.ocr_max_pixels}) at {MIN_OCR_DPI} dpi or more; raise pdf.text's "
+                                           "ocr_max_pixels")
+            return
+        if dpi < p.ocr_dpi:
+            LOG.warning("page %d is OCR'd at %.0f dpi, not %.0f: the page image would exceed ocr_max_pixels",
+                        i, dpi, p.ocr_dpi)
+        try:
+            extracted[i] = (item, pool.get().submit(page, dpi))
+        except OcrUnavailable as exc:  # no engine or no language data: the page says what to install
+            if not item.content.usable:
+                extracted[i] = error_value("ocr_unavailable", str(exc))
 
     def _collect(self, number: int, item: _Extracted, future: Future) -> _Extracted | str:
         """A page's OCR result in place of its text layer (``always`` keeps the layer where OCR found nothing)."""

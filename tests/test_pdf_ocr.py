@@ -203,3 +203,19 @@ def test_skewed_scan_is_measured_and_read_straight():
     for w in kept.content.words:  # the same word sits at the same place in either reading (page as shown)
         if w.text in where:
             assert abs(w.cx - where[w.text][0]) < 5 and abs(w.cy - where[w.text][1]) < 5, w
+
+
+@needs_tesseract
+def test_a_page_that_cannot_be_rendered_for_ocr_is_an_error_row_and_the_others_are_read(tmp_path, monkeypatch):
+    path = _scan(tmp_path, "two", pages=2)
+    real = pdf_ocr.render_for_ocr
+
+    def flaky(page, dpi):
+        if page.number == 0:
+            raise RuntimeError("cannot render")
+        return real(page, dpi)
+
+    monkeypatch.setattr(pdf_ocr, "render_for_ocr", flaky)
+    rows = texts(path)
+    assert rows[0]["error"].startswith("ocr_failed:") and "cannot render" in rows[0]["error"]
+    assert rows[1]["error"] is None and rows[1]["text_source"] == "ocr" and "Rotterdam" in rows[1]["text"]
