@@ -102,6 +102,9 @@ def run(
     column: Annotated[Optional[str], typer.Option(help="Dataset column holding paths or bytes.")] = None,
     address: Annotated[Optional[str], typer.Option(help="Ray cluster to join with --engine ray (host:port or auto); "
                                                    "without it a local Ray starts, sized to this machine.")] = None,
+    kv_store: Annotated[Optional[Path], typer.Option(help="Prefilled documents' KV caches for decode.generate, so a "
+                                                          "document asked about again skips its prefill (default: "
+                                                          "<cache-dir>/kv; off with --no-cache).")] = None,
 ) -> None:
     """Run a pipeline over documents and write its output as Parquet."""
     inputs = [*(input or []), *(more or [])]
@@ -112,6 +115,7 @@ def run(
              f"use -o {output.with_suffix('.parquet')} and convert what you need, e.g. "
              f"pyarrow.parquet.read_table(...).to_pandas().to_csv(...)")
     pipe = load_pipeline(pipeline, set_)
+    _use_kv_store(pipe, kv_store, None if no_cache else cache_dir)
     report = _execute(pipe, inputs, output, engine, batch_docs, None if no_cache else cache_dir, column, address)
     err.print(f"{report.rows} row(s) from {report.documents} document(s) in {report.seconds:.1f} s"
               f"{f', {report.batches_from_cache} batch(es) from cache' if report.batches_from_cache else ''}"
@@ -184,6 +188,17 @@ def stages(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
     out.print(f"built-in pipelines: {', '.join(builtin_pipelines())}")
 
 
+def _use_kv_store(pipe: Pipeline, kv_store: Path | None, cache_dir: Path | None) -> None:
+    """Point every decode.generate stage that names no ``kv_store`` at ``kv_store``, else ``<cache_dir>/kv``; with
+    neither (``--no-cache``) the documents are prefilled every run."""
+    folder = kv_store or (cache_dir / "kv" if cache_dir is not None else None)
+    if folder is None:
+        return
+    for name, stage in pipe.stages.items():
+        if stage.stage == "decode.generate" and "kv_store" not in stage.params:
+            pipe.set(f"{name}.kv_store", str(folder))
+
+
 @app.command()
 def ask(
     file: Annotated[Path, typer.Argument(help="A PDF (or .txt/.md) document.")],
@@ -202,10 +217,7 @@ def ask(
     name = pipeline or ("text_qa" if file.suffix.lower() in {".txt", ".md", ".markdown"} else "pdf_qa")
     extra = [f"answer.max_new_tokens={max_new_tokens}"] if max_new_tokens is not None else []
     pipe = load_pipeline(name, [*(set_ or []), *extra])
-    answer = pipe.stages.get("answer")
-    if (not no_cache or kv_store is not None) and answer is not None and answer.stage == "decode.generate" \
-            and "kv_store" not in answer.params:
-        pipe.set("answer.kv_store", str(kv_store or cache_dir / "kv"))
+    _use_kv_store(pipe, kv_store, None if no_cache else cache_dir)
     pipe.set("params.questions", None)
     pipe.set("params.question", question)
     live = sys.stdout.isatty() and not as_json

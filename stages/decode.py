@@ -58,13 +58,23 @@ class DecodeParams(StageParams):
     seed: int = Field(0, ge=0, description="with temperature > 0: the sampler's seed (per question, so answers "
                                            "repeat run after run)")
     kv_store: str | None = Field(None, description="a folder of prefilled documents' KV caches (runtime.kv_store): "
-                                    "a document prefilled before is loaded instead of read again; null turns it off; "
-                                    "docfuse ask uses <cache-dir>/kv. Full caches (kv: null) on the CPU path only")
+                                    "a document prefilled before is loaded instead of read again; false turns it off "
+                                    "(docfuse run and ask use <cache-dir>/kv unless --no-cache). Full caches "
+                                    "(kv: null) on the CPU path only")
     kv_store_max_gb: float = Field(20.0, gt=0, description="the KV store's size cap; least recently used go first")
     cite: bool = Field(True, description="fill cited_pages: the pages the answer's own attention drew on most "
                                          "(one extra forward of the answer's tokens; a full cache only, kv: null)")
     ignore_eos: bool = Field(False, description="decode max_new_tokens for every answer, past end-of-sequence "
                                                 "(benchmarks)")
+
+    @field_validator("kv_store", mode="before")
+    @classmethod
+    def _kv_store(cls, value: Any) -> Any:
+        if value is False:  # the off switch: a null would drop the key and let the CLI's default come back
+            return None
+        if value is True:
+            raise ValueError("kv_store takes a folder (or false to turn the store off)")
+        return value
 
     @field_validator("kv")
     @classmethod

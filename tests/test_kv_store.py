@@ -146,3 +146,21 @@ def test_session_loads_a_stored_document_and_answers_the_same(smollm2, tmp_path)
         assert session.loaded_from_store == (run == 1) and session.document_prefills == (1 - run)
         answers.append(session.ask("Which law governs the agreement?", 16))
     assert answers[0].text == answers[1].text and answers[0].new_tokens == answers[1].new_tokens
+
+
+def test_the_cli_points_decode_stages_at_the_store_unless_told_otherwise(tmp_path):
+    from docfuse.pipelines.cli import _use_kv_store, load_pipeline
+    from docfuse.stages.decode import DecodeParams
+
+    pipe = load_pipeline("pdf_qa", [])
+    _use_kv_store(pipe, None, tmp_path)
+    assert pipe.stages["answer"].params["kv_store"] == str(tmp_path / "kv")
+    off = load_pipeline("pdf_qa", ["answer.kv_store=false"])
+    _use_kv_store(off, None, tmp_path)
+    assert DecodeParams(**off.stages["answer"].params).kv_store is None
+    none = load_pipeline("pdf_extract", [])
+    _use_kv_store(none, tmp_path / "elsewhere", None)  # no decode stage: nothing to point
+    assert all("kv_store" not in s.params for s in none.stages.values())
+    nocache = load_pipeline("text_qa", [])
+    _use_kv_store(nocache, None, None)  # --no-cache
+    assert "kv_store" not in nocache.stages["answer"].params
