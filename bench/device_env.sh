@@ -13,6 +13,10 @@
 # Carry [".dev1", ".devs"], then [".dev2", ".devs"], then [".dev3", ".devs"], in calls less than 30 s apart (the
 # machine, and $HOME with it, goes back after 30 s idle); later calls carry [".dev1/whl", ".devs", ...] (the wheels
 # again, under the 64 MiB limit; the model stays assembled in $D). At most 8 files come back from $OUT: tar them.
+# Since 2026-12-06 (fifth session) the tree plus all of .dev1 passes 64 MiB: carry [".dev1/g1", ".devs"], then
+# [".dev2", ".devs"], then [".dev3", ".devs"], then [".dev1/whl", ...] with the command. Source this file without a
+# pipe (`source bench/device_env.sh > /tmp/env.log 2>&1`): `source ... | tail` runs it in a subshell and the exports
+# are lost (docfuse then imports from the tree and fails). Refused starts cost device time too (1-2 min each).
 # Run tests with
 #   python -m pytest -p no:cacheprovider --import-mode=append ...
 # (PYTHONSAFEPATH and append mode keep the repository's docfuse/ folder from shadowing the installed package).

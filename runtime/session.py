@@ -207,11 +207,12 @@ class Session:
 
     @torch.inference_mode()
     def prefill(self, document_ids: Sequence[int] | DocumentPrefix, chunk_size: int = 512,
-                embeds: torch.Tensor | None = None) -> float:
+                embeds: torch.Tensor | None = None, source: str = "") -> float:
         """Prefill the document prefix into a fresh cache, ``chunk_size`` tokens per forward; returns seconds.
 
         Chunks bound the attention scores' memory (chunk x context) while reusing the cache between chunks.
         ``embeds`` ([len(ids), hidden]) replaces the ids' own embeddings: a fused stream (fusion.gate).
+        ``source``: the document's name, kept with its entry in ``kv_store`` (``docfuse kv-store list``).
         """
         ids = list(document_ids.ids if isinstance(document_ids, DocumentPrefix) else document_ids)
         if embeds is not None and embeds.shape[0] != len(ids):
@@ -247,7 +248,7 @@ class Session:
             from docfuse.runtime.kv_store import cache_layers
 
             try:
-                self.kv_store.save(store_key, cache_layers(self.cache))
+                self.kv_store.save(store_key, cache_layers(self.cache), source=source)
             except OSError as exc:  # a full or read-only disk costs the next run a prefill, nothing more
                 warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next "
                               "run prefills it again", stacklevel=2)

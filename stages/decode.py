@@ -341,7 +341,8 @@ class DecodeGenerate(Stage):
             return errors
         rows: dict[int, dict] = {}
         for read in reads:
-            self.session.prefill(read.ids, chunk_size=p.prefill_chunk, embeds=read.embeds)
+            self.session.prefill(read.ids, chunk_size=p.prefill_chunk, embeds=read.embeds,
+                                 source=doc.get("source") or "")
             for i in read.questions:
                 a = self.session.ask(prompts[i], max_new_tokens=p.max_new_tokens,
                                      safe_mode=self.context.get("safe_mode"))

@@ -142,10 +142,11 @@ def test_session_loads_a_stored_document_and_answers_the_same(smollm2, tmp_path)
     answers = []
     for run in range(2):
         session = Session(model, tokenizer, kv_store=KVStore(tmp_path))
-        session.prefill(session.fit_document(document, max_new_tokens=16))
+        session.prefill(session.fit_document(document, max_new_tokens=16), source="agreement.pdf")
         assert session.loaded_from_store == (run == 1) and session.document_prefills == (1 - run)
         answers.append(session.ask("Which law governs the agreement?", 16))
     assert answers[0].text == answers[1].text and answers[0].new_tokens == answers[1].new_tokens
+    assert [e.source for e in KVStore(tmp_path).entries()] == ["agreement.pdf"]
 
 
 def test_the_cli_points_decode_stages_at_the_store_unless_told_otherwise(tmp_path):
