@@ -64,6 +64,11 @@ def _open_bytes(pdf: bytes | None) -> pymupdf.Document:
     return doc
 
 
+def _extraction_failed(exc: Exception) -> str:
+    """The error of a document whose text extraction failed outside any one page."""
+    return error_value("corrupt", f"text extraction failed ({type(exc).__name__}: {exc}); re-export the PDF")
+
+
 def _page_error(page: int, exc: Exception) -> str:
     return error_value("page_unreadable", f"MuPDF could not read page {page} ({type(exc).__name__}: {exc}); "
                        "the other pages are fine; re-export or print the PDF to a new file to repair it")
@@ -123,7 +128,8 @@ class PdfTextParams(StageParams):
                                  "each needs its tesseract-ocr-<lang> package)")
     ocr_dpi: float = Field(300, gt=0, le=2400, description="resolution pages are OCR'd at")
     ocr_max_pixels: int = Field(12_000_000, ge=1, le=MAX_PIXELS_CEILING,
-                                description="pixel budget of a page image for OCR: larger pages are read at a lower dpi")
+                                description="pixel budget of a page image for OCR: larger pages are read at a lower "
+                                            "dpi")
 
 
 @register
@@ -179,8 +185,7 @@ class PdfText(Stage):
                         self._submit_ocr(doc, extracted, pool)
                     docs.append((base, extracted))
                 except Exception as exc:  # a failure outside any one page: the whole document
-                    docs.append(({**base, "error": error_value(
-                        "corrupt", f"text extraction failed ({type(exc).__name__}: {exc}); re-export the PDF")}, None))
+                    docs.append(({**base, "error": _extraction_failed(exc)}, None))
                 finally:
                     doc.close()
             for base, extracted in docs:
@@ -190,11 +195,10 @@ class PdfText(Stage):
                 try:
                     rows.extend(schemas.empty_row(schema, **base, **r) for r in self._layout(extracted))
                 except Exception as exc:
-                    rows.append(schemas.empty_row(schema, **base, error=error_value(
-                        "corrupt", f"text extraction failed ({type(exc).__name__}: {exc}); re-export the PDF")))
+                    rows.append(schemas.empty_row(schema, **base, error=_extraction_failed(exc)))
         return pa.Table.from_pylist(rows, schema=schema)
 
-    def _extract(self, doc: pymupdf.Document) -> list[_Extracted | Exception | str | Future]:
+    def _extract(self, doc: pymupdf.Document) -> list[_Extracted | Exception]:
         """Every page's text layer and tables. The words of a batch's documents are held until they are laid out
         (some 100 bytes a word): a batch of 64 documents of 300 pages is a few hundred MB at most."""
         p = self.params

@@ -128,21 +128,26 @@ def osd_rotation(png: bytes, dpi: float) -> int:
     return rotate % 360 if confidence >= MIN_OSD_CONFIDENCE else 0
 
 
-def rotate_png(png: bytes, clockwise: int) -> bytes:
+def turned_png(png: bytes, counter_clockwise: float, expand: bool) -> bytes:
+    """The page image turned about its centre (PIL: positive is counter-clockwise). ``expand``: a quarter turn, the
+    canvas grows to hold it and pixels move exactly (nearest); else a small skew: the size stays, pixels are
+    interpolated (bicubic) and the corners fill white."""
     from PIL import Image
 
     image = Image.open(io.BytesIO(png))
     out = io.BytesIO()
-    image.rotate(-clockwise, expand=True).save(out, format="PNG")
+    resample = Image.NEAREST if expand else Image.BICUBIC
+    image.rotate(counter_clockwise, resample=resample, expand=expand, fillcolor=None if expand else 255) \
+        .save(out, format="PNG")
     return out.getvalue()
 
 
 def read_page(png: bytes, dpi: float, languages: str, number: int, width: float, height: float) -> OcrResult:
-    """OCR one page image of the page as shown (``width`` x ``height`` points). When the words read poorly
-    (mean confidence under LOW_CONFIDENCE) or run up or down the page, and orientation detection finds the text turned (a scan fed in sideways
-    or upside down), the image is turned upright and read again; the better reading wins. A page read turned has
-    its words in the upright frame (``width`` and ``height`` swap at 90 and 270), so reading order follows the
-    text, and ``rotation`` says by how much."""
+    """OCR one page image of the page as shown (``width`` x ``height`` points). When the words read poorly (mean
+    confidence under LOW_CONFIDENCE) or run up or down the page, and orientation detection finds the text turned (a
+    scan fed in sideways or upside down), the image is turned upright and read again; the better reading wins. A
+    page read turned has its words in the upright frame (``width`` and ``height`` swap at 90 and 270), so reading
+    order follows the text, and ``rotation`` says by how much. A page read well is checked for skew instead."""
     first = parse_tsv(run_tesseract(png, dpi, languages), number, width, height, dpi)
     if first.confidence is not None and first.confidence >= LOW_CONFIDENCE and not _sideways(first.content):
         return _deskewed(first, png, dpi, languages, number, width, height)
@@ -150,7 +155,7 @@ def read_page(png: bytes, dpi: float, languages: str, number: int, width: float,
     if not clockwise:
         return first
     w, h = (height, width) if clockwise in (90, 270) else (width, height)
-    turned = parse_tsv(run_tesseract(rotate_png(png, clockwise), dpi, languages), number, w, h, dpi)
+    turned = parse_tsv(run_tesseract(turned_png(png, -clockwise, expand=True), dpi, languages), number, w, h, dpi)
     turned.rotation = clockwise
     if _sideways(first.content) and not _sideways(turned.content):
         # the words were read either way; the upright reading is the one whose boxes give the reading order
@@ -186,13 +191,9 @@ def _deskewed(first: OcrResult, png: bytes, dpi: float, languages: str, number: 
     angle = skew_degrees(first.content)
     if abs(angle) < MIN_SKEW_DEGREES or abs(angle) > MAX_SKEW_DEGREES:
         return first
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(png))
-    out = io.BytesIO()
-    # PIL turns counter-clockwise for positive angles: a clockwise skew (lines falling to the right) turns back by +
-    image.rotate(angle, resample=Image.BICUBIC, fillcolor=255).save(out, format="PNG")
-    straight = parse_tsv(run_tesseract(out.getvalue(), dpi, languages), number, width, height, dpi)
+    # a clockwise skew (lines falling to the right, angle > 0) turns back counter-clockwise
+    straight = parse_tsv(run_tesseract(turned_png(png, angle, expand=False), dpi, languages), number, width, height,
+                         dpi)
     # the straightened image was turned about the page centre: turn each word's box centre back
     cx, cy, rad = width / 2, height / 2, math.radians(angle)
     cos, sin = math.cos(rad), math.sin(rad)

@@ -236,6 +236,10 @@ class Engine:
         core_bytes = sum(c * s.core_page_bytes for (c, _), _n in need) or s.core_page_bytes
         assoc_bytes = sum(a * s.assoc_page_bytes for (_, a), _n in need)
         share = core_bytes / (core_bytes + assoc_bytes)
+        # every stream's pages in bytes, largest first
+        per_stream = sorted((c * s.core_page_bytes + a * s.assoc_page_bytes for (c, a), n in need for _ in range(n)),
+                            reverse=True)
+        self._archive_room = 0  # no room beyond the static rule unless this run's free memory says so
         nbytes = self.pool_bytes
         if nbytes is None:
             if self.device.type == "cuda":
@@ -247,18 +251,14 @@ class Engine:
                 # an open document's exact K/V may also wait on the device (its questions then start from slices,
                 # not from the host) when they fit beside everything this run's streams need: one 128K document
                 # on an 80 GB card, not 32 of them
-                self._archive_room = 0
-                need_bytes = sum(c * s.core_page_bytes + a * s.assoc_page_bytes for (c, a), n in need for _ in range(n))
-                spare = free - logits - self.prefill_reserve(longest, archive=False) - need_bytes
+                spare = free - logits - self.prefill_reserve(longest, archive=False) - sum(per_stream)
                 self._archive_room = int(spare * ARCHIVE_ROOM_SHARE)
                 nbytes = int((free - self.prefill_reserve(longest) - logits) * self.memory_fraction)
             else:
                 nbytes = GB
         # never more than every stream at once needs (plus a page of each tier for rounding): a small batch keeps
         # the rest of the card free
-        need_all = sorted((c * s.core_page_bytes + a * s.assoc_page_bytes for (c, a), n in need for _ in range(n)),
-                          reverse=True)[:max(self.buckets)]
-        nbytes = min(nbytes, sum(need_all) + 2 * (s.core_page_bytes + s.assoc_page_bytes))
+        nbytes = min(nbytes, sum(per_stream[:max(self.buckets)]) + 2 * (s.core_page_bytes + s.assoc_page_bytes))
         nbytes = max(nbytes, s.core_page_bytes + s.assoc_page_bytes)
         return PagePool.sized(s, nbytes, share, self.device)
 

@@ -382,17 +382,15 @@ class TieredLayer(CacheLayerMixin):
         """
         b, h = self.core_pos.shape[:2]
         grouped = self._grouped(queries, kv_heads)
-        # Sorting [B, H, length] scores is faster on the accelerator than on the host (sorts stay stable: the same
-        # order on either).
         per_page = page_scores(grouped, self.kmin, self.kmax, reduce)
-        page_score = per_page.gather(2, page_ids.to(per_page.device).expand(b, h, -1)).double()
         # Every exact key at hand and every token a candidate (the default, inside a question's exact read): the
         # priority is computed where the keys are and stays there, with no host round trip (on a GPU a layer's
         # re-tier was ~15 ms of transfers and synchronisations, bench/RESULTS.md issue 23). Same numbers either way.
         on_device = ALL_ON_DEVICE and self._all is not None and candidates >= self.length
         if on_device:
             full_k, known = self._all[0], torch.ones(b, h, 1, dtype=torch.bool)
-        else:
+        else:  # the summaries nominate which background tokens to read exactly
+            page_score = per_page.gather(2, page_ids.to(per_page.device).expand(b, h, -1)).double()
             full_k, known = self._known_keys(page_score, candidates)
         votes = token_votes(grouped, full_k, known.to(self.device), kernel=self.kv.vote_pool)
         if self.kv.vote_sharing:
