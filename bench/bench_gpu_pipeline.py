@@ -104,6 +104,22 @@ def write_documents(folder: Path, count: int, tokens: int, tokenizer, seed: int)
     return paths
 
 
+def _random_ids(model, length: int) -> torch.Tensor:
+    """``length`` random prompt ids on the card, the same for every anchor of that length."""
+    return torch.randint(0, model.config.vocab_size, (1, length), device="cuda",
+                         generator=torch.Generator(device="cuda").manual_seed(length))
+
+
+def _seconds_per_step(step, steps: int) -> float:
+    """Mean wall seconds of ``steps`` calls of ``step``, the card synchronised before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
 def static_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) -> dict:
     """The external anchor: transformers' StaticCache, the model's own forward captured in one CUDA graph per decode
     step, batch 1, ``length`` random prompt ids. TTFT is the chunked prefill into the static cache; decode is the
@@ -114,8 +130,7 @@ def static_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) 
     from docfuse.runtime.session import cache_kwarg
 
     kw = cache_kwarg(model)
-    ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(length))
+    ids = _random_ids(model, length)
     total = length + new_tokens + 8
     gc.collect()
     torch.cuda.empty_cache()
@@ -161,12 +176,7 @@ def static_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) 
         with torch.cuda.graph(graph):
             advance(step())
         steps = min(new_tokens, total - length - 6)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-        seconds = (time.perf_counter() - t0) / steps
+        seconds = _seconds_per_step(graph.replay, steps)
     result = {"tokens": length, "ttft_s": ttft, "decode_ms_per_token": seconds * 1e3, "decode_tok_s": 1 / seconds,
               "peak_device_gb": torch.cuda.max_memory_allocated() / GB,
               "first_tokens": history[: steps + 4].tolist()}
@@ -187,8 +197,7 @@ def tiered_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) 
     before = model.config._attn_implementation
     model.config._attn_implementation = register_attention()
     try:
-        ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda",
-                            generator=torch.Generator(device="cuda").manual_seed(length))
+        ids = _random_ids(model, length)
         gc.collect()
         torch.cuda.empty_cache()
         cache = KernelTieredCache(model.config, {k: v for k, v in KV.items() if k != "prefill"})
@@ -204,12 +213,7 @@ def tiered_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) 
         cache.set_fused(True)
         with torch.inference_mode():
             dec = GraphDecoder(model, cache, max_new=new_tokens + 8, first_token=token, warmup=2)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(new_tokens):
-                dec.step()
-            torch.cuda.synchronize()
-            seconds = (time.perf_counter() - t0) / new_tokens
+            seconds = _seconds_per_step(dec.step, new_tokens)
             dec.close()
         del dec, cache
     finally:
