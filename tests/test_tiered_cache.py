@@ -615,3 +615,129 @@ def test_retier_shortcuts_give_the_sorts_and_gathers_numbers() -> None:
                                                                      (a.zero, b.zero)))
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_keys(padded[:, :, :50], 4, 32, length=45)
+
+
+# ---- fixed codes (issue 29): the association quantised once per document ---------------------------------------
+def _answer(model, cache: TieredCache, prefix: int, question: torch.Tensor, steps: int = 4) -> list[torch.Tensor]:
+    """Read ``question`` the Session way, decode ``steps`` greedy tokens through the packed codes, roll back."""
+    from docfuse.runtime.kv import code_attention, read_question
+
+    out = [read_question(model, cache, question)]
+    with code_attention.reading_codes(model, cache):
+        for _ in range(steps):
+            out.append(run(model, cache, out[-1].argmax().view(1, 1))[0, -1])
+    cache.rollback(prefix)
+    return out
+
+
+def test_fixed_codes_are_made_once_and_hide_the_core(monkeypatch) -> None:
+    """With the association taking every non-core token (the default), a later question's re-tier quantises nothing:
+    it only moves positions into and out of the core, which the codes hide. Every position stays in one tier, attention
+    over the codes skips the hidden positions, and the answers stay those of the re-quantising path."""
+    import docfuse.runtime.kv.layer as layer_mod
+
+    model = tiny_model()
+    doc = ids(300)
+    questions = [ids(9, seed=s) for s in (7, 8, 9)]
+    kv = small(association_tokens=1.0, association_bits=8)
+    builds = []
+    real_build = AssociationStore.build.__func__
+    monkeypatch.setattr(AssociationStore, "build",
+                        classmethod(lambda cls, *a, **k: builds.append(1) or real_build(cls, *a, **k)))
+    answers = {}
+    for fixed in (True, False):
+        monkeypatch.setattr(layer_mod, "FIXED_CODES", fixed)
+        cache = TieredCache(model.config, kv)
+        run(model, cache, doc)
+        builds.clear()
+        answers[fixed] = []
+        for n, q in enumerate(questions):
+            answers[fixed].append(_answer(model, cache, 300, q))
+            if fixed:
+                # codes of the whole document made at the first question only, one store a layer
+                assert len(builds) == len(cache.layers), n
+                for layer in cache.layers:
+                    assert layer.assoc.hidden is not None and layer.assoc.length == 300
+                    tiers = layer.membership()
+                    core = (tiers == 0).sum(-1)  # the question's tokens took part of the core until the rollback
+                    assert len(torch.unique(core)) == 1 and 20 <= int(core.flatten()[0]) <= 40
+                    assert int((tiers == 2).sum()) == 0  # nothing in the background: every position coded or exact
+                    hidden = layer.assoc.hidden
+                    assert torch.equal(hidden, tiers == 0)  # what the codes hide is exactly the core
+        if not fixed:
+            assert len(builds) == 3 * len(cache.layers)  # the other path quantises at every question
+    for a, b in zip(answers[True], answers[False]):
+        for x, y in zip(a, b):
+            assert x.argmax() == y.argmax()
+            assert torch.allclose(x, y, atol=2e-2)
+        assert torch.equal(a[0], b[0])  # the question's own read is exact either way
+
+
+def test_fixed_codes_attention_skips_hidden_positions() -> None:
+    """code_attention over a fixed store equals softmax attention over [visible dequantised rows, core] by hand."""
+    from docfuse.runtime.kv.code_attention import code_attention
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 70, 32, generator=g), torch.randn(1, 2, 70, 32, generator=g)
+    store = AssociationStore.build(k, v, 8, 32)
+    core_pos = torch.stack([torch.randperm(70, generator=g)[:11].sort().values for _ in range(2)]).unsqueeze(0)
+    hidden = torch.zeros(1, 2, 70, dtype=torch.bool).scatter_(2, core_pos, True)
+    store.hidden = hidden
+    core_k = k.gather(2, core_pos[..., None].expand(-1, -1, -1, 32))
+    core_v = v.gather(2, core_pos[..., None].expand(-1, -1, -1, 32))
+    q = torch.randn(1, 4, 32, generator=g)
+    got = code_attention(q, core_k, core_v, 11, store, 32 ** -0.5)
+    dk, dv = store.dequantize(torch.float32)
+    visible = (~hidden).nonzero()[:, 2].view(1, 2, 59)
+    keys = torch.cat([dk.gather(2, visible[..., None].expand(-1, -1, -1, 32)), core_k], dim=2)
+    values = torch.cat([dv.gather(2, visible[..., None].expand(-1, -1, -1, 32)), core_v], dim=2)
+    qg = q.view(1, 2, 2, 32) * 32 ** -0.5
+    want = (qg @ keys.transpose(-1, -2)).softmax(-1) @ values
+    assert torch.allclose(got, want.view(1, 4, 32), atol=1e-4)
+
+
+def test_fixed_codes_survive_rollbacks_and_are_remade_when_cut() -> None:
+    """Rolling back into the coded prefix leaves valid tiers (attention still runs) and the next re-tier makes the
+    codes again for the shorter document; rolling back to the prefix keeps them."""
+    model = tiny_model()
+    doc = ids(260)
+    cache = TieredCache(model.config, small(association_tokens=1.0, association_bits=8))
+    run(model, cache, doc)
+    _answer(model, cache, 260, ids(9, seed=7))
+    store = cache.layers[0].assoc
+    _answer(model, cache, 260, ids(9, seed=8))
+    assert cache.layers[0].assoc is store  # same codes, new core
+    cache.rollback(200)
+    for layer in cache.layers:
+        tiers = layer.membership()
+        assert tiers.shape[-1] == 200 and int((tiers == 2).sum()) == 0
+        # cut codes wait to be made again; where heads lost different tiers the rollback re-tiered (and made them)
+        assert layer.assoc.length == 200 and (layer._codes_stale or layer.assoc is not store)
+    assert torch.isfinite(run(model, cache, doc[:, 200:201])).all()  # reads the cut codes
+    cache.rollback(200)
+    _answer(model, cache, 200, ids(9, seed=9))
+    for layer in cache.layers:
+        assert layer.assoc is not store and layer.assoc.length == 200 and not layer._codes_stale
+        tiers = layer.membership()
+        assert torch.equal(layer.assoc.hidden, tiers == 0)
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_rollback_without_background_rebalances_heads(monkeypatch, fixed: bool) -> None:
+    """The association taking every non-core token, heads that lost different numbers of core and association
+    tokens must re-balance into exactly the positions left (the two per-tier maxima once asked for more)."""
+    import docfuse.runtime.kv.layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "FIXED_CODES", fixed)
+    model = tiny_model()
+    tokens = ids(260)
+    cache = TieredCache(model.config, small(association_tokens=1.0, recent_tokens=0, sink_tokens=0))
+    run(model, cache, tokens)
+    cache.retier()  # tokens 200..259 are ranked like any others: heads place them differently
+    assert any(len(torch.unique((layer.membership()[:, :, 200:] == 0).sum(-1))) > 1 for layer in cache.layers)
+    cache.rollback(200)
+    for layer in cache.layers:
+        tiers = layer.membership()
+        assert tiers.shape[-1] == 200 and int((tiers == 2).sum()) == 0
+        assert len(torch.unique((tiers == 0).sum(-1))) == 1
+    assert torch.isfinite(run(model, cache, tokens[:, 200:201])).all()

@@ -1,8 +1,10 @@
 """A/B of a question's re-tier on the CPU: this tree's ``TieredLayer.rebuild``/``vote_priority`` against an earlier
-commit's, in one process on one prefilled document (the machine's noise hits both alike).
+commit's, or fixed codes against re-quantising at every question (``layer.FIXED_CODES``), in one process on one
+prefilled document (the machine's noise hits both alike).
 
     git show 26e2a9e:runtime/kv/layer.py > /tmp/old_layer.py
     python bench/experiments/ab_retier.py --cases DIR --old /tmp/old_layer.py
+    python bench/experiments/ab_retier.py --cases DIR --fixed-codes
 
 Takes the check half's longest document of ``DIR`` (bench_fidelity.py make), prefills it once in float32 at the
 default ``kv:``, asks its first question, then asks every question ``--reps`` times a side, alternating which side
@@ -25,7 +27,9 @@ import torch
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", type=Path, required=True)
-    parser.add_argument("--old", type=Path, required=True, help="an earlier runtime/kv/layer.py")
+    parser.add_argument("--old", type=Path, help="an earlier runtime/kv/layer.py (its rebuild takes no codes_upto)")
+    parser.add_argument("--fixed-codes", action="store_true",
+                        help="compare FIXED_CODES on (new) and off (old) in this tree instead")
     parser.add_argument("--reps", type=int, default=4)
     args = parser.parse_args()
     import pymupdf
@@ -35,9 +39,12 @@ def main() -> None:
     from docfuse.runtime.loading import load_model
     from docfuse.runtime.session import Session
 
-    spec = importlib.util.spec_from_file_location("old_layer", args.old)
-    old_layer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old_layer)
+    if args.fixed_codes == (args.old is not None):
+        parser.error("give --old FILE or --fixed-codes")
+    if args.old is not None:
+        spec = importlib.util.spec_from_file_location("old_layer", args.old)
+        old_layer = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old_layer)
     cases = json.loads((args.cases / "cases.json").read_text())
     case = max((c for c in cases if c["half"] == "check"), key=lambda c: c["tokens"])
     text = "\n".join(p.get_text() for p in pymupdf.open(args.cases / case["pdf"]))
@@ -56,13 +63,18 @@ def main() -> None:
             spent[0] += time.perf_counter() - t0
 
     tiered.TieredCache.retier_layer = timed
-    sides = {name: {n: getattr(module.TieredLayer, n) for n in ("rebuild", "vote_priority")}
-             for name, module in (("old", old_layer), ("new", new_layer))}
+    if args.old is not None:
+        sides = {name: {n: getattr(module.TieredLayer, n) for n in ("rebuild", "vote_priority")}
+                 for name, module in (("old", old_layer), ("new", new_layer))}
     got: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
     for rep in range(args.reps):
         for name in ("old", "new") if rep % 2 == 0 else ("new", "old"):
-            for n, fn in sides[name].items():
-                setattr(new_layer.TieredLayer, n, fn)
+            if args.old is not None:
+                for n, fn in sides[name].items():
+                    setattr(new_layer.TieredLayer, n, fn)
+            else:
+                new_layer.FIXED_CODES = name == "new"
+                session.ask(case["questions"][-1], 1)  # untimed: a side's first question makes its codes
             for question in case["questions"]:
                 spent[0] = 0.0
                 answer = session.ask(question, 1)

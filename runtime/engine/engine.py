@@ -382,6 +382,8 @@ class Engine:
 
             self._writer = ArchiveWriter()
         cache = TieredCache(self.model.config, self.kv)
+        for layer in cache.layers:
+            layer.fixed_codes = False  # the page pool takes compact association tiers
         if self._device_archive(len(doc.prefix)):
             for layer in cache.layers:
                 layer.archive = DeviceArchive()

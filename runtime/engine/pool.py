@@ -188,6 +188,8 @@ class PagePool:
             return None
         s, store = self.shape, layer.assoc
         k, v = store.keys, store.values
+        if store.hidden is not None:
+            return "the association tier holds fixed codes (TieredLayer.fixed_codes must be off for the engine)"
         if store.anchor_index is not None or (k.bits, v.bits, k.group, v.group) != (s.key_bits, s.value_bits,
                                                                                     s.group, s.vgroup):
             return "the association tier does not match the pool's encoding (bits, groups, not differential)"

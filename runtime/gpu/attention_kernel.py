@@ -42,7 +42,7 @@ def kernel_supports(assoc: AssociationStore | None, head_dim: int) -> bool:
         return False
     if assoc is None or assoc.length == 0:
         return True
-    return (assoc.keys.bits == 4 and assoc.values.bits == 4 and assoc.anchor_index is None and assoc.values.group == 32
+    return (assoc.hidden is None and assoc.keys.bits == 4 and assoc.values.bits == 4 and assoc.anchor_index is None and assoc.values.group == 32
             and assoc.keys.per_channel)
 
 

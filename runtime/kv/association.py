@@ -36,6 +36,10 @@ class AssociationStore:
     anchor_k: torch.Tensor | None = None  # fp16 [B, H, pages, D]
     anchor_v: torch.Tensor | None = None
     anchor_index: torch.Tensor | None = None  # int32 [B, H, T]: which anchor each token uses
+    #: bool [B, H, T] or None. Set when the store holds every position of a prefix, quantised once in groups aligned
+    #: to positions (``TieredLayer``'s fixed codes): the positions attention must skip because the core holds them
+    #: exactly. Row ``t`` is then position ``t``.
+    hidden: torch.Tensor | None = None
 
     @classmethod
     def build(cls, k: torch.Tensor, v: torch.Tensor, bits: int, group: int,
@@ -82,6 +86,6 @@ class AssociationStore:
             v_out += _gather_anchor(self.anchor_v, self.anchor_index).to(v_out.dtype)
 
     def nbytes(self) -> int:
-        """Device bytes: codes, scales, zeros and (differential) anchors with their per-token index."""
-        extra = [t for t in (self.anchor_k, self.anchor_v, self.anchor_index) if t is not None]
+        """Device bytes: codes, scales, zeros, (differential) anchors with their per-token index, the hidden mask."""
+        extra = [t for t in (self.anchor_k, self.anchor_v, self.anchor_index, self.hidden) if t is not None]
         return self.keys.nbytes() + self.values.nbytes() + sum(t.numel() * t.element_size() for t in extra)

@@ -103,7 +103,8 @@ def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, 
     Args:
         q: ``[B, Hq, D]`` queries (post-RoPE); ``Hq`` a multiple of the KV heads (GQA).
         core_k, core_v: ``[B, Hkv, >=n_core, D]`` exact core tier.
-        assoc: the packed association tier (``supports(assoc)`` must hold), or ``None``.
+        assoc: the packed association tier (``supports(assoc)`` must hold), or ``None``; its ``hidden`` positions
+            (fixed codes) are left out.
     Returns: ``[B, Hq, D]`` float32, what ``runtime.gpu.reference.tiered_decode_reference`` computes.
     """
     b, hq, d = q.shape
@@ -113,7 +114,10 @@ def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, 
     scores = torch.matmul(qg, core_k[:, :, :n_core].float().transpose(-1, -2))  # [B, H, r, n_core]
     n_assoc = assoc.length if assoc is not None else 0
     if n_assoc:
-        scores = torch.cat([association_scores(qg, assoc), scores], dim=-1)
+        codes = association_scores(qg, assoc)
+        if assoc.hidden is not None:  # fixed codes: positions the core holds exactly take no weight here
+            codes.masked_fill_(assoc.hidden.unsqueeze(2), float("-inf"))
+        scores = torch.cat([codes, scores], dim=-1)
     p = scores.softmax(dim=-1)
     out = torch.matmul(p[..., n_assoc:], core_v[:, :, :n_core].float())
     if n_assoc:

@@ -9,6 +9,13 @@ invariant to the order of cached keys (RoPE was applied before caching), so tier
 
 The background archive holds an exact copy of every token older than the last re-tier (not only background ones):
 promotion and re-quantisation then always start from exact values, and a demotion costs no compression work.
+
+Fixed codes (on the host, when the association takes every token the core does not, without page anchors): the
+association is quantised once per document, over every position of the prefix in groups aligned to positions, and a
+later question's re-tier only chooses its core: the core's positions are hidden in the codes (attention skips them)
+instead of every other token being quantised again. A question's re-tier then costs its votes and the core's rows,
+not a pass over the whole document (bench/RESULTS.md, issue 29). The codes of the core's positions stay on the
+device too (a tenth more codes at the default budgets).
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ ARCHIVE_BLOCK = 256
 #: Re-tier on the device when every exact key is at hand (the on-device branches of ``vote_priority`` and
 #: ``rebuild``); False takes the general path (tests compare the two).
 ALL_ON_DEVICE = True
+#: Quantise the association once per document and hide the core's positions in it (see the module docstring); False
+#: quantises the non-core tokens again at every re-tier (tests compare the two).
+FIXED_CODES = True
 
 
 def _expand(index: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
@@ -88,6 +98,9 @@ class TieredLayer(CacheLayerMixin):
     #: While set (``TieredCache.exact_view``), attention reads every cached position at full precision, in position
     #: order: the core, plus the association and background tokens read back exactly from the archive.
     exact_reads = False
+    #: Whether this layer may keep fixed codes (see the module docstring); the GPU engine's page pool copies compact
+    #: association tiers, so it turns them off for the caches it prefills.
+    fixed_codes = True
     #: Exact K/V of every position while ``reading_all`` is active; ``_materialize`` serves every request from it.
     _all: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -106,6 +119,7 @@ class TieredLayer(CacheLayerMixin):
         self.final_pages = 0  # leading pages whose summaries are complete
         self.queries: torch.Tensor | None = None  # device [B, Hq, M, D], post-RoPE
         self.query_pos: torch.Tensor | None = None  # host int64 [M]
+        self._codes_stale = False  # fixed codes cut by a rollback below their prefix: make them again at a re-tier
 
     # ---- transformers layer API ------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -118,7 +132,7 @@ class TieredLayer(CacheLayerMixin):
 
     @property
     def n_assoc(self) -> int:
-        return self.assoc.length if self.assoc is not None else 0
+        return self.assoc_pos.shape[-1] if self.assoc is not None else 0
 
     @property
     def active(self) -> int:
@@ -143,7 +157,12 @@ class TieredLayer(CacheLayerMixin):
         a = self.n_assoc
         b, h, c, d = core_k.shape
         out_k, out_v = core_k.new_empty(b, h, a + c, d), core_v.new_empty(b, h, a + c, d)
-        self.assoc.dequantize_into(out_k[:, :, :a], out_v[:, :, :a])
+        if self.assoc.hidden is None:
+            self.assoc.dequantize_into(out_k[:, :, :a], out_v[:, :, :a])
+        else:  # fixed codes: every position of the prefix is coded; hand attention the association's rows only
+            all_k, all_v = self.assoc.dequantize(core_k.dtype)
+            out_k[:, :, :a] = _rows(all_k, self.assoc_pos)
+            out_v[:, :, :a] = _rows(all_v, self.assoc_pos)
         out_k[:, :, a:].copy_(core_k)
         out_v[:, :, a:].copy_(core_v)
         return out_k, out_v
@@ -222,6 +241,8 @@ class TieredLayer(CacheLayerMixin):
             quant.codes, quant.scale, quant.zero = quant.codes[dev], quant.scale[dev], quant.zero[dev]
         if a.anchor_index is not None:
             a.anchor_k, a.anchor_v, a.anchor_index = a.anchor_k[dev], a.anchor_v[dev], a.anchor_index[dev]
+        if a.hidden is not None:
+            a.hidden = a.hidden[dev]
         return a
 
     # ---- core storage --------------------------------------------------------------------------------------------
@@ -264,12 +285,14 @@ class TieredLayer(CacheLayerMixin):
         return queries
 
     # ---- exact values ------------------------------------------------------------------------------------------
-    def _archive_all(self) -> None:
-        """Archive positions ``[archive.length, length)``; they are in the core of every head."""
-        start = self.archive.length
-        if start >= self.length:
+    def _archive_all(self, upto: int | None = None) -> None:
+        """Archive positions ``[archive.length, upto)`` (default: every position); they are in the core of every
+        head. Positions from ``upto`` on stay unarchived, so they must stay in the core (a question's own tokens,
+        which a rollback removes anyway)."""
+        start, end = self.archive.length, self.length if upto is None else min(upto, self.length)
+        if start >= end:
             return
-        positions = torch.arange(start, self.length)
+        positions = torch.arange(start, end)
         core_pos = self.core_pos[:, :, : self.n_core].contiguous()
         b, h, _ = core_pos.shape
         idx = torch.searchsorted(core_pos, positions.expand(b, h, -1).contiguous()).clamp(max=self.n_core - 1)
@@ -414,7 +437,9 @@ class TieredLayer(CacheLayerMixin):
         if self.n_assoc:
             fresh = ~filled.gather(2, self.assoc_pos)  # association tokens with no exact key read
             if fresh.any():
-                if self.assoc.anchor_index is None:
+                if self.assoc.hidden is not None:  # fixed codes: row t is position t
+                    assoc_k = _rows(self.assoc.keys.dequantize(full_k.dtype), self.assoc_pos)
+                elif self.assoc.anchor_index is None:
                     assoc_k = self.assoc.keys.dequantize(full_k.dtype)
                 else:  # residuals to page anchors: only the store adds the anchors back
                     assoc_k = self.assoc.dequantize(full_k.dtype)[0]
@@ -433,13 +458,15 @@ class TieredLayer(CacheLayerMixin):
         return group_queries(queries, kv_heads)
 
     # ---- re-tiering ----------------------------------------------------------------------------------------------
-    def rebuild(self, priority: torch.Tensor, core: int, assoc: int, page_ids: torch.Tensor) -> None:
+    def rebuild(self, priority: torch.Tensor, core: int, assoc: int, page_ids: torch.Tensor,
+                keep_from: int | None = None) -> None:
         """Core = the ``core`` highest-priority positions per head, association = the next ``assoc``, rest background.
 
         ``priority`` [B, H, length] (host); ties go to the earlier position. Everything is archived first, so no
-        token is ever dropped.
+        token is ever dropped. ``keep_from``: positions from here on are in the core (the caller's priority forces
+        them: a question's own tokens); they are neither archived nor coded.
         """
-        self._archive_all()
+        self._archive_all(keep_from)
         # with every exact K/V at hand the order and the gathers stay on the device; only the chosen positions come
         # back to the host (the same tiers either way)
         on_device = ALL_ON_DEVICE and self._all is not None
@@ -448,6 +475,10 @@ class TieredLayer(CacheLayerMixin):
             order = order.cpu()
         length = priority.shape[-1]
         core_idx = _ascending(order[..., :core], length)
+        if assoc and core + assoc == length and self._fixed_codes_allowed():
+            self._rebuild_fixed(core_idx, length if keep_from is None else min(keep_from, length), on_device)
+            return
+        self._codes_stale = False
         assoc_idx = _ascending(order[..., core: core + assoc], length)
         if on_device:
             full_k, full_v = self._all
@@ -471,6 +502,40 @@ class TieredLayer(CacheLayerMixin):
             self.assoc_pos = assoc_pos
         else:
             self.assoc, self.assoc_pos = None, None
+
+    def _fixed_codes_allowed(self) -> bool:
+        return FIXED_CODES and self.fixed_codes and self.device.type == "cpu" and not self.kv.differential
+
+    def _rebuild_fixed(self, core_idx: torch.Tensor, codes_upto: int, on_device: bool) -> None:
+        """The fixed-codes re-tier: core = ``core_idx`` [B, H, core] (ascending); the association is every other
+        position, read from codes of ``[0, codes_upto)`` made now only if the layer has none for that prefix."""
+        b, h, core = core_idx.shape
+        coded = core - (self.length - codes_upto)  # core positions inside the coded prefix, the same in every head
+        if coded < 0 or (core > coded and int(core_idx[..., coded:].min()) < codes_upto):
+            raise RuntimeError("tiered cache invariant broken: a position past the fixed codes is not in the core")
+        store = self.assoc
+        remake = (store is None or store.hidden is None or self._codes_stale or store.length != codes_upto)
+        if on_device:
+            full_k, full_v = self._all
+        else:
+            wanted = torch.zeros(b, h, self.length, dtype=torch.bool).scatter_(2, core_idx, True)
+            if remake:
+                wanted[:, :, :codes_upto] = True
+            full_k, full_v = self._materialize(wanted)
+        self._set_core(_rows(full_k, core_idx), _rows(full_v, core_idx), core_idx.cpu())
+        if remake:
+            store = AssociationStore.build(full_k[:, :, :codes_upto], full_v[:, :, :codes_upto].contiguous(),
+                                           self.kv.association_bits, self.kv.group_tokens, None,
+                                           self.kv.association_key_bits)
+            self._codes_stale = False
+        hidden = torch.zeros(b, h, codes_upto, dtype=torch.bool)
+        hidden.scatter_(2, core_idx[..., :coded].cpu(), True)
+        if coded == codes_upto:  # the core holds the whole prefix: no association
+            self.assoc, self.assoc_pos = None, None
+            return
+        store.hidden = hidden.to(self.device)
+        self.assoc = store
+        self.assoc_pos = (~hidden).view(b * h, codes_upto).nonzero()[:, 1].view(b, h, codes_upto - coded)
 
     def membership(self) -> torch.Tensor:
         """Tier of each position per head [B, H, length] (host): 0 core, 1 association, 2 background."""
@@ -500,7 +565,7 @@ class TieredLayer(CacheLayerMixin):
         if len(torch.unique(core_keep)) == 1 and len(torch.unique(assoc_keep)) == 1:
             self.n_core = int(core_keep.flatten()[0])
             if self.n_assoc:
-                self._truncate_assoc(int(assoc_keep.flatten()[0]))
+                self._truncate_assoc(int(assoc_keep.flatten()[0]), length)
             self.length = length
             return
         # Heads lost different numbers of tokens per tier: re-balance, keeping each token's tier where possible
@@ -508,13 +573,28 @@ class TieredLayer(CacheLayerMixin):
         tier = self.membership()[:, :, :length]
         self.length = length
         ids = page_ids if page_ids is not None else torch.zeros(length, dtype=torch.long)
-        self.rebuild((2 - tier).double(), int(core_keep.max()), int(assoc_keep.max()), ids)
+        core = int(core_keep.max())
+        # with no background (the association takes every other token) the two maxima may come from different heads
+        # and add up to more than the positions left
+        self.rebuild((2 - tier).double(), core, min(int(assoc_keep.max()), length - core), ids)
 
-    def _truncate_assoc(self, keep: int) -> None:
+    def _truncate_assoc(self, keep: int, length: int) -> None:
         if keep == 0:
             self.assoc, self.assoc_pos = None, None
             return
         a = self.assoc
+        if a.hidden is not None:
+            # fixed codes: the store keeps positions [0, length); codes cut inside their prefix are still codes of
+            # those tokens, but a group's scale saw the removed ones: the next re-tier makes them again
+            rows = min(a.length, length)
+            self._codes_stale |= rows < a.length
+            a.keys.length = rows
+            a.values.length = rows
+            a.values.codes, a.values.scale, a.values.zero = (a.values.codes[:, :, :rows], a.values.scale[:, :, :rows],
+                                                             a.values.zero[:, :, :rows])
+            a.hidden = a.hidden[:, :, :rows]
+            self.assoc_pos = self.assoc_pos[:, :, :keep]
+            return
         a.keys.length = keep
         a.values.length = keep
         a.values.codes, a.values.scale, a.values.zero = (a.values.codes[:, :, :keep], a.values.scale[:, :, :keep],

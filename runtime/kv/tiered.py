@@ -172,7 +172,7 @@ class TieredCache(Cache):
         forced[max(0, length - recent):] = True
         core = min(length, max(core, int(forced.sum())))
         assoc = min(assoc, length - core)
-        layer._archive_all()
+        layer._archive_all(keep_from)
         candidates = resolve_budget(self.kv.candidate_tokens, length)
         # Every token scored exactly: one read of the archive serves the summaries, the votes and the rebuild.
         once = layer.reading_all() if self.kv.scoring == "tokens" and candidates >= length else nullcontext()
@@ -184,7 +184,7 @@ class TieredCache(Cache):
                 page_score = layer.scores(queries, self.kv_heads, SCORE_REDUCE).cpu()
                 priority = page_score.gather(2, page_ids.expand(*page_score.shape[:2], -1)).double()
             priority[:, :, forced.to(priority.device)] = float("inf")
-            layer.rebuild(priority, core, assoc, page_ids)
+            layer.rebuild(priority, core, assoc, page_ids, keep_from=keep_from)
 
     def start_decode(self) -> None:
         """Count ``retier_every`` in decode steps from here (the question's suffix does not count)."""
