@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
@@ -23,6 +23,8 @@ from docfuse.pipelines.stage import Stage, StageParams, error_value
 from docfuse.stages import schemas
 from docfuse.stages.pdf_extract import PageContent, extract_page
 from docfuse.stages.pdf_layout import Block, DocStyle, doc_style, layout_page
+from docfuse.stages.pdf_lines import (LineNumber, LineNumbers, attach_raised_markers, join_label_values,
+                                      join_spaced_letters, restore_line_numbers, take_line_numbers)
 from docfuse.stages.pdf_ocr import OcrPool, OcrUnavailable
 from docfuse.stages.pdf_open import PdfOpenError, open_pdf
 from docfuse.stages.pdf_tables import PageTable, TablesMode, find_page_tables
@@ -127,6 +129,8 @@ class PdfTextParams(StageParams):
     languages: list[str] = Field(["eng"], min_length=1, description="Tesseract languages to read (eng, fra, deu, ...; "
                                  "each needs its tesseract-ocr-<lang> package)")
     ocr_dpi: float = Field(300, gt=0, le=2400, description="resolution pages are OCR'd at")
+    line_numbers: LineNumbers = Field("keep", description="margin line numbers (transcripts, pleadings): keep puts "
+                                      "each at the start of the line it numbers, drop leaves them out")
     ocr_max_pixels: int = Field(12_000_000, ge=1, le=MAX_PIXELS_CEILING,
                                 description="pixel budget of a page image for OCR: larger pages are read at a lower "
                                             "dpi")
@@ -207,11 +211,12 @@ class PdfText(Stage):
             try:
                 page = doc.load_page(number)
                 content = extract_page(page, p.min_words, p.min_image_cover)
+                numbers = repair_lines(content)
                 tables, ran = find_page_tables(page, content, p.tables)
                 self.stats["find_tables_pages"] += ran
                 self.stats["tables"] += len(tables)
                 extracted.append(_Extracted(content, tables, image_only=not content.usable,
-                                            source="layer" if content.usable else "none"))
+                                            source="layer" if content.usable else "none", numbers=numbers))
             except Exception as exc:
                 extracted.append(exc)
             self.stats["pages"] += 1
@@ -266,7 +271,8 @@ class PdfText(Stage):
             return item
         # a scan's tables are not ruled drawings: the layout reads them as text
         return _Extracted(result.content, [], image_only=item.image_only,
-                          source="ocr" if result.content.usable else "none", confidence=result.confidence)
+                          source="ocr" if result.content.usable else "none", confidence=result.confidence,
+                          numbers=repair_lines(result.content))
 
     def _layout(self, extracted: list) -> list[dict]:
         """Lay the pages out with the document's font sizes (OCR results collected first, waiting where needed)."""
@@ -294,6 +300,8 @@ class PdfText(Stage):
             row.update(page_width=content.width, page_height=content.height, words=[], blocks=[])
         if not content.usable:
             return {**row, "text": "", "n_words": 0}
+        restore_line_numbers(item.numbers, self.params.line_numbers)
+        join_label_values(content)
         layout = layout_page(content, item.tables, style)
         words, blocks = _layout_columns(layout.blocks, layout.dropped)
         row.update(text=layout.text(), n_words=len(words))
@@ -324,6 +332,16 @@ class _Extracted:
     image_only: bool  # the page has no usable text layer (whatever OCR then found)
     source: str  # layer, ocr or none
     confidence: float | None = None
+    numbers: list[LineNumber] = field(default_factory=list)  # margin line numbers lifted off the page
+
+
+def repair_lines(content: PageContent) -> list[LineNumber]:
+    """The line repairs of ``pdf_lines`` that must precede table finding (see there); returns the line numbers."""
+    if not content.usable:
+        return []
+    join_spaced_letters(content)
+    attach_raised_markers(content)
+    return take_line_numbers(content)
 
 
 def _layout_columns(ordered: list[Block], dropped: list[Block]) -> tuple[list[dict], list[dict]]:

@@ -28,6 +28,7 @@ BOTTOM_ZONE = 0.15         # ... and at the bottom, for footers (LaTeX puts page
 MIN_GUTTER = 4.0           # pt of whitespace that separates columns
 MAX_HEADING_LINES = 3
 MAX_HEADING_WORDS = 30
+PAGE_BODY_CHARS = 600      # a page with this many characters has a body size of its own
 
 _PAGE_NUMBER = re.compile(
     r"^\s*[-–—(\[]?\s*(page|p\.|seite|pagina|página)?\s*"
@@ -185,23 +186,37 @@ def edge_blocks(boxes: list[tuple[float, float, float, float]], height: float) -
 
 # --- one page ---------------------------------------------------------------------------------------------
 
-def _role(line: Line, style: DocStyle) -> tuple[str, int]:
+def _role(line: Line, style: DocStyle, page_body: float | None = None) -> tuple[str, int]:
     level = style.level_of(line.size) if line.horizontal else 0
-    if level:
+    if level and (page_body is None or line.size >= page_body * HEADING_RATIO):
         return "heading", level
     if line.size <= style.body_size * SMALL_RATIO:
         return "small", 0
     return "body", 0
 
 
+def page_body_size(page: PageContent) -> float | None:
+    """The page's own body size (the most common by characters) when it holds enough text to have one: a heading
+    must stand out on its page too, not only against the document (a page set larger than the rest)."""
+    sizes: Counter[float] = Counter()
+    for block in page.blocks:
+        for line in block:
+            for w in line.words:
+                sizes[_round_size(w.size)] += len(w.text)
+    if sum(sizes.values()) < PAGE_BODY_CHARS:
+        return None
+    return sizes.most_common(1)[0][0]
+
+
 def split_blocks(page: PageContent, style: DocStyle) -> list[Block]:
     """MuPDF's blocks, split wherever the role of a line changes (a heading glued to its paragraph)."""
     blocks: list[Block] = []
+    page_body = page_body_size(page)
     for lines in page.blocks:
         current: list[Line] = []
         current_role = None
         for line in lines:
-            role = _role(line, style)
+            role = _role(line, style, page_body)
             if current and role != current_role:
                 blocks.append(_make_block(current, current_role))
                 current = []
@@ -256,7 +271,7 @@ def reading_order(blocks: list[Block], min_gutter: float = MIN_GUTTER) -> list[B
 
     bands: list[list[Block]] = []
     for i, strip in enumerate(strips):
-        if bands and joins(bands[-1], strip):
+        if bands and joins(bands[-1], strip) and not _heading_row(strip):
             nxt = strips[i + 1] if i + 1 < len(strips) else None
             # A heading under a multi-column band belongs to what follows it: if that is full-width, the
             # heading opens the next section rather than continuing the column it happens to sit under.
@@ -271,6 +286,23 @@ def reading_order(blocks: list[Block], min_gutter: float = MIN_GUTTER) -> list[B
         bounds = [(g0 + g1) / 2 for g0, g1 in gutters(band, min_gutter)]
         ordered.extend(sorted(band, key=lambda b: (sum((b.x0 + b.x1) / 2 > x for x in bounds), b.y0, b.x0)))
     return ordered
+
+
+def _heading_row(strip: list[Block]) -> bool:
+    """Headings side by side on one baseline (boxes of a form, panels of a brochure): each opens its own column of
+    content below, so the strip starts a new band rather than continuing the columns above it."""
+    heads = [b for b in strip if b.kind == "heading" or _bold_title(b)]
+    if len(heads) < 2 or len(heads) < len(strip) / 2:
+        return False
+    tops = sorted(b.y1 for b in heads)
+    return tops[-1] - tops[0] <= 0.5 * min(b.y1 - b.y0 for b in heads) and bool(gutters(heads))
+
+
+def _bold_title(b: Block) -> bool:
+    """A one-line run of bold words that is not a label: a title in body size."""
+    words = b.words
+    return (b.kind == "body" and len(b.lines) == 1 and 0 < len(words) <= 8 and all(w.bold for w in words)
+            and not words[-1].text.endswith((":", ".")))
 
 
 def gutters(blocks: list[Block], min_gutter: float = MIN_GUTTER) -> list[tuple[float, float]]:

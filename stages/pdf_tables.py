@@ -257,9 +257,19 @@ def _table_from_run(run: list[_Row]) -> PageTable | None:
     if sum(len(c) for c in filled) / len(filled) > MAX_WORDS_PER_CELL:
         return None
     texts = [[_join(ws) for ws in row] for row in rows_words]
-    if _reads_as_prose([t for row in texts[1:] for t in row if t]):
+    if _reads_as_prose([t for row in texts[1:] for t in row if t]) or _is_form(texts):
         return None
     return PageTable(bbox=bbox_of([w for w, _ in claimed]), rows=texts, words=claimed, ruled=False)
+
+
+def _is_form(rows: list[list[str]]) -> bool:
+    """Label/value rows ("Name: | Ada Lovelace | Date: | 1843"): a column of labels ending in ':' makes a form, which
+    reads as text row by row, not a table."""
+    for c in range(max(len(r) for r in rows)):
+        cells = [r[c] for r in rows if c < len(r) and r[c]]
+        if len(cells) >= 2 and sum(t.endswith(":") for t in cells) >= 0.8 * len(cells):
+            return True
+    return False
 
 
 def _reads_as_prose(cells: list[str]) -> bool:
