@@ -34,6 +34,7 @@ _PAGE_NUMBER = re.compile(
     r"^\s*[-–—(\[]?\s*(page|p\.|seite|pagina|página)?\s*"
     r"(\d{1,4}|(?=[ivxlcdm])m{0,3}(cm|cd|d?c{0,3})(xc|xl|l?x{0,3})(ix|iv|v?i{0,3}))"
     r"(\s*(of|/|von|de)\s*\d{1,4})?\s*[-–—)\]]?\s*$", re.IGNORECASE)
+_SECTION_NUMBER = re.compile(r"^\s*(\d+(\.\d+)*|[A-Z]|[IVXLC]+)[.)]?\s")
 _LIST_START = re.compile(r"^([•◦▪‣∙·\-–*]|\(?\d{1,3}[.)]|\(?[a-z][.)]|\([ivx]+\))\s")
 
 
@@ -293,6 +294,10 @@ def _heading_row(strip: list[Block]) -> bool:
     content below, so the strip starts a new band rather than continuing the columns above it."""
     heads = [b for b in strip if b.kind == "heading" or _bold_title(b)]
     if len(heads) < 2 or len(heads) < len(strip) / 2:
+        return False
+    # numbered sections ("4.1 Availability | 4.3 Support") are columns of a document: their numbers run down each
+    # column, so the columns above continue
+    if any(_SECTION_NUMBER.match(b.lines[0].text) for b in heads if b.lines):
         return False
     tops = sorted(b.y1 for b in heads)
     return tops[-1] - tops[0] <= 0.5 * min(b.y1 - b.y0 for b in heads) and bool(gutters(heads))

@@ -162,3 +162,22 @@ def test_pdf_extract_reads_the_generated_set_in_order(tmp_path) -> None:
     assert mean("spaced_headings", "similarity") >= 0.97
     unbroken = sum(s["unbroken"] for s in scores["footnotes"]) / sum(s["sentences"] for s in scores["footnotes"])
     assert unbroken >= 0.99
+
+
+@pytest.mark.parametrize("numbered", [True, False])
+def test_side_by_side_headings_order_by_numbering(tmp_path, numbered: bool) -> None:
+    """Headings on one baseline in two columns: numbered sections run down each column (4.1, 4.2 | 4.3, 4.4); panels
+    with unnumbered titles (a form's groups) are read row by row."""
+    doc = pymupdf.open()
+    page = doc.new_page()
+    names = ["4.1 Availability", "4.3 Support", "4.2 Backups", "4.4 Credits"] if numbered else \
+        ["Applicant", "Employer", "Household", "Contact"]
+    for i, name in enumerate(names):
+        x, y = (72 if i % 2 == 0 else 320), (100 if i < 2 else 220)
+        page.insert_text((x, y), name, fontsize=13, fontname="hebo")
+        for k in range(3):
+            page.insert_text((x, y + 20 + 14 * k), f"Text of {name.split()[-1]} line {k + 1} here.", fontsize=10)
+    text = page_texts(_save(doc, tmp_path / "h.pdf"))[0]["text"]
+    found = [n for n in re.findall(r"#+ (.+)", text)]
+    want = ["4.1 Availability", "4.2 Backups", "4.3 Support", "4.4 Credits"] if numbered else names
+    assert found == want, text
