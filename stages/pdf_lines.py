@@ -31,7 +31,7 @@ LineNumbers = Literal["keep", "drop"]
 MIN_NUMBERED_LINES = 5       # a margin column needs this many numbers
 MAX_LINE_NUMBER = 99
 ALIGN_TOLERANCE = 3.0        # pt: numbers of one column share their right (or left) edge within this
-MIN_ASCENDING = 0.8          # share of consecutive numbers (top to bottom) that go up
+MIN_ASCENDING = 0.8          # share of consecutive numbers (top to bottom) that go up by one
 MIN_BESIDE_TEXT = 0.4        # share of the numbers that sit beside a text line (pleading paper numbers blanks too)
 RAISED_SIZE = 0.85           # a marker's size is at most this share of its line's
 MAX_MARKER_CHARS = 3
@@ -123,8 +123,9 @@ def _numbered_column(content: PageContent, group: list[tuple[Word, Line]]) -> li
         return []
     group = sorted(group, key=lambda c: c[0].cy)
     values = [int(w.text) for w, _ in group]
-    ascending = sum(b > a for a, b in zip(values, values[1:]))
-    if ascending < MIN_ASCENDING * (len(values) - 1):
+    # line numbers count up by one (a contents page's right-aligned page numbers jump)
+    steps = sum(b == a + 1 for a, b in zip(values, values[1:]))
+    if steps < MIN_ASCENDING * (len(values) - 1):
         return []
     own = {id(line) for _, line in group}
     text_lines = [line for block in content.blocks for line in block if line.horizontal and id(line) not in own]

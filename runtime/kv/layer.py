@@ -524,7 +524,14 @@ class TieredLayer(CacheLayerMixin):
             full_k, full_v = self._materialize(wanted)
         self._set_core(_rows(full_k, core_idx), _rows(full_v, core_idx), core_idx.cpu())
         if remake:
-            store = AssociationStore.build(full_k[:, :, :codes_upto], full_v[:, :, :codes_upto].contiguous(),
+            keys = full_k[:, :, :codes_upto]
+            sinks = min(self.kv.sink_tokens, codes_upto - 1)
+            if sinks > 0:
+                # the attention sinks are in every core and their keys are outliers (the first token's is many
+                # times any other's): stood in by their neighbour, they do not stretch their group's range
+                keys = keys.clone()
+                keys[:, :, :sinks] = keys[:, :, sinks: sinks + 1]
+            store = AssociationStore.build(keys, full_v[:, :, :codes_upto].contiguous(),
                                            self.kv.association_bits, self.kv.group_tokens, None,
                                            self.kv.association_key_bits)
             self._codes_stale = False
