@@ -125,7 +125,8 @@ def _numbered_column(content: PageContent, group: list[tuple[Word, Line]]) -> li
     values = [int(w.text) for w, _ in group]
     # line numbers count up by one (a contents page's right-aligned page numbers jump)
     steps = sum(b == a + 1 for a, b in zip(values, values[1:]))
-    if steps < MIN_ASCENDING * (len(values) - 1):
+    # and start the page at 1 (a transcript's or a pleading's page); a contents page lists pages 37, 38, 39, ...
+    if steps < MIN_ASCENDING * (len(values) - 1) or values[0] > 2:
         return []
     own = {id(line) for _, line in group}
     text_lines = [line for block in content.blocks for line in block if line.horizontal and id(line) not in own]

@@ -75,6 +75,23 @@ def _words_at(page: pymupdf.Page, x: float, y: float, text: str, size: float = 1
     return x
 
 
+def test_consecutive_page_numbers_of_a_contents_page_are_not_line_numbers(tmp_path) -> None:
+    """An index of statements with pages 37, 38, ... right-aligned beside each title is a table, not numbered lines."""
+    doc = pymupdf.open()
+    page = doc.new_page()
+    titles = ["Report of the auditors", "Statements of operations", "Statements of income", "Statements of cash flows",
+              "Balance sheets", "Statements of equity", "Notes to the statements"]
+    page.insert_text((72, 100), "Index to financial statements", fontsize=14, fontname="hebo")
+    for i, title in enumerate(titles):
+        page.insert_text((72, 130 + 18 * i), title, fontsize=11)
+        number = str(37 + i)
+        page.insert_text((520 - pymupdf.get_text_length(number, fontsize=11), 130 + 18 * i), number, fontsize=11)
+    content = extract_page(pymupdf.open(_save(doc, tmp_path / "i.pdf"))[0])
+    from docfuse.stages.pdf_lines import take_line_numbers
+
+    assert take_line_numbers(content) == []
+
+
 def test_raised_markers_stay_in_their_sentence(tmp_path) -> None:
     doc = pymupdf.open()
     page = doc.new_page()
