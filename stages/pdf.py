@@ -23,8 +23,9 @@ from docfuse.pipelines.stage import Stage, StageParams, error_value
 from docfuse.stages import schemas
 from docfuse.stages.pdf_extract import PageContent, extract_page
 from docfuse.stages.pdf_layout import Block, DocStyle, doc_style, layout_page
-from docfuse.stages.pdf_lines import (LineNumber, LineNumbers, attach_raised_markers, join_label_values,
-                                      join_spaced_letters, restore_line_numbers, take_line_numbers)
+from docfuse.stages.pdf_lines import (LineNumber, LineNumbers, attach_raised_markers, drop_duplicate_words,
+                                      join_label_values, join_spaced_letters, restore_line_numbers,
+                                      take_line_numbers)
 from docfuse.stages.pdf_ocr import OcrPool, OcrUnavailable
 from docfuse.stages.pdf_open import PdfOpenError, open_pdf
 from docfuse.stages.pdf_tables import PageTable, TablesMode, find_page_tables
@@ -129,6 +130,8 @@ class PdfTextParams(StageParams):
     languages: list[str] = Field(["eng"], min_length=1, description="Tesseract languages to read (eng, fra, deu, ...; "
                                  "each needs its tesseract-ocr-<lang> package)")
     ocr_dpi: float = Field(300, gt=0, le=2400, description="resolution pages are OCR'd at")
+    max_layout_words: int = Field(6000, ge=1, description="work budget: a page with more words is read in "
+                                  "PyMuPDF's own order (no tables, no layout), and its row says so in warning")
     line_numbers: LineNumbers = Field("keep", description="margin line numbers (transcripts, pleadings): keep puts "
                                       "each at the start of the line it numbers, drop leaves them out")
     ocr_max_pixels: int = Field(12_000_000, ge=1, le=MAX_PIXELS_CEILING,
@@ -149,7 +152,7 @@ class PdfText(Stage):
     """
 
     kind = "pdf.text"
-    version = "2"
+    version = "3"  # 3: line repairs (issue 28), the warning column
     Params = PdfTextParams
     inputs: ClassVar[dict[str, pa.Schema]] = {"pages": _PDF_IN}
     output_schema = schemas.PAGE_TEXT
@@ -211,6 +214,15 @@ class PdfText(Stage):
             try:
                 page = doc.load_page(number)
                 content = extract_page(page, p.min_words, p.min_image_cover)
+                words = len(content.words)
+                if content.usable and words > p.max_layout_words:
+                    extracted.append(_Extracted(content, [], image_only=False, source="layer",
+                                                plain=_plain_text(page), warning=(
+                                                    f"page has {words} words, more than pdf.text's work budget "
+                                                    f"({p.max_layout_words}): read in PyMuPDF's order, without "
+                                                    "tables or headings; raise text.max_layout_words to lay it out")))
+                    self.stats["pages"] += 1
+                    continue
                 numbers = repair_lines(content)
                 tables, ran = find_page_tables(page, content, p.tables)
                 self.stats["find_tables_pages"] += ran
@@ -300,6 +312,8 @@ class PdfText(Stage):
             row.update(page_width=content.width, page_height=content.height, words=[], blocks=[])
         if not content.usable:
             return {**row, "text": "", "n_words": 0}
+        if item.plain is not None:  # past the work budget: PyMuPDF's own order
+            return {**row, "text": item.plain, "n_words": len(content.words), "warning": item.warning}
         restore_line_numbers(item.numbers, self.params.line_numbers)
         join_label_values(content)
         layout = layout_page(content, item.tables, style)
@@ -333,12 +347,21 @@ class _Extracted:
     source: str  # layer, ocr or none
     confidence: float | None = None
     numbers: list[LineNumber] = field(default_factory=list)  # margin line numbers lifted off the page
+    plain: str | None = None  # PyMuPDF's sorted text of a page past the work budget
+    warning: str | None = None
+
+
+def _plain_text(page: pymupdf.Page) -> str:
+    """PyMuPDF's own reading order (``sort=True``), with each line's runs of spaces collapsed and blank lines out."""
+    lines = (" ".join(line.split()) for line in page.get_text(sort=True).splitlines())
+    return "\n".join(line for line in lines if line)
 
 
 def repair_lines(content: PageContent) -> list[LineNumber]:
     """The line repairs of ``pdf_lines`` that must precede table finding (see there); returns the line numbers."""
     if not content.usable:
         return []
+    drop_duplicate_words(content)
     join_spaced_letters(content)
     attach_raised_markers(content)
     return take_line_numbers(content)

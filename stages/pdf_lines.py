@@ -14,7 +14,11 @@
   its label's line, so that a form reads row by row ("Name: Ada Lovelace") and group by group, not all labels then
   all values.
 
-Each repair keeps every word (only its line changes), so the words, boxes and tables downstream see the same text.
+- **Duplicated text layers** (an invisible OCR layer over visible text, text drawn twice for a bold effect): the same
+  word in the same box more than once. ``drop_duplicate_words`` keeps the first.
+
+Each other repair keeps every word (only its line changes), so the words, boxes and tables downstream see the same
+text.
 """
 
 from __future__ import annotations
@@ -291,3 +295,23 @@ def _right_neighbour(label: Line, near: list[tuple], page_width: float) -> Line 
         if 0.0 <= gap < best_gap and _boxes_same_row(box, other):
             best, best_gap = line, gap
     return best
+
+
+def drop_duplicate_words(content: PageContent) -> None:
+    """Keep one of each word drawn more than once in the same place (same text, box within a point), in place."""
+    seen: set[tuple] = set()
+    changed = False
+    for block in content.blocks:
+        for line in block:
+            kept = []
+            for w in line.words:
+                key = (w.text, round(w.x0), round(w.y0), round(w.x1), round(w.y1))
+                if key in seen:
+                    changed = True
+                    continue
+                seen.add(key)
+                kept.append(w)
+            line.words = kept
+    if changed:
+        content.blocks = [kept for kept in ([line for line in block if line.words] for block in content.blocks)
+                          if kept]

@@ -173,15 +173,16 @@ class _Row:
 def _rows(words: list[Word]) -> list[_Row]:
     """Words grouped into visual rows (by vertical overlap), each split into cells at wide gaps."""
     rows: list[list[Word]] = []
+    top = bottom = 0.0  # the last row's extent, kept as it grows (a page of thousands of tiny spans is one long row)
     for w in sorted(words, key=lambda w: (w.cy, w.x0)):
         if rows:
-            last = rows[-1]
-            top, bottom = min(x.y0 for x in last), max(x.y1 for x in last)
             overlap = min(bottom, w.y1) - max(top, w.y0)
             if overlap >= 0.5 * min(w.y1 - w.y0, bottom - top):
-                last.append(w)
+                rows[-1].append(w)
+                top, bottom = min(top, w.y0), max(bottom, w.y1)
                 continue
         rows.append([w])
+        top, bottom = w.y0, w.y1
     out = []
     for ws in rows:
         ws.sort(key=lambda w: w.x0)

@@ -39,6 +39,8 @@ PAGE_TEXT = pa.schema(DOC + [
     # pdf.text: where the text came from (layer, ocr, none) and the OCR's mean word confidence (0-1)
     pa.field("text_source", pa.string()),
     pa.field("ocr_confidence", pa.float32()),
+    # pdf.text: why this page's text may read worse than usual (a page past the layout's work budget), else null
+    pa.field("warning", pa.string()),
     ERROR,
 ])
 #: Extra columns pdf.text adds with ``layout: true``.

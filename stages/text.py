@@ -33,7 +33,7 @@ class TextPages(Stage):
     """Plain-text and Markdown sources to pages: split at form feeds, else at paragraphs (Markdown: headings)."""
 
     kind = "text.pages"
-    version = "1"
+    version = "2"  # 2: the warning column of PAGE_TEXT
     Params = TextPagesParams
     inputs: ClassVar[dict[str, pa.Schema]] = {
         "sources": pa.schema([f for f in schemas.SOURCE if f.name in ("doc_id", "source", "data")]),

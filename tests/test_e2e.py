@@ -19,7 +19,7 @@ from tests import pdf_fixtures as fx
 ROOT = Path(__file__).resolve().parents[1]
 DOCFUSE = str(Path(sys.executable).parent / "docfuse")
 EXTRACT_COLUMNS = ["doc_id", "source", "page", "text", "image_only", "n_words", "text_source", "ocr_confidence",
-                   "error"]
+                   "warning", "error"]
 QA_COLUMNS = ["doc_id", "source", "question", "answer", "prompt_tokens", "ttft_s", "decode_tokens_per_s",
               "kv_device_bytes", "kv_host_bytes", "kv_full_bytes", "skipped_fraction", "peak_memory_bytes", "pages_used",
               "truncated", "cited_pages", "error"]

@@ -198,3 +198,26 @@ def test_side_by_side_headings_order_by_numbering(tmp_path, numbered: bool) -> N
     found = [n for n in re.findall(r"#+ (.+)", text)]
     want = ["4.1 Availability", "4.2 Backups", "4.3 Support", "4.4 Credits"] if numbered else names
     assert found == want, text
+
+
+def test_a_page_past_the_work_budget_reads_in_pymupdf_order_with_a_warning(tmp_path) -> None:
+    doc = pymupdf.open()
+    page = doc.new_page()
+    for i in range(30):
+        page.insert_text((72, 80 + 20 * i), f"Line {i} has five words.", fontsize=10)
+    path = _save(doc, tmp_path / "w.pdf")
+    row = page_texts(path, max_layout_words=100)[0]
+    assert row["error"] is None and row["n_words"] == 150
+    assert "work budget" in row["warning"] and "max_layout_words" in row["warning"]
+    assert row["text"].split() == pymupdf.open(path)[0].get_text(sort=True).split()
+    assert page_texts(path)[0]["warning"] is None
+
+
+def test_a_duplicated_text_layer_is_read_once(tmp_path) -> None:
+    doc = pymupdf.open()
+    page = doc.new_page()
+    for render_mode in (0, 3):  # visible, then the same text invisible on top (an OCR layer over text)
+        for i in range(10):
+            page.insert_text((72, 80 + 16 * i), f"Line {i} of the body.", fontsize=11, render_mode=render_mode)
+    row = page_texts(_save(doc, tmp_path / "d.pdf"))[0]
+    assert row["n_words"] == 50 and row["text"].count("Line 3 of the body.") == 1

@@ -163,7 +163,8 @@ def test_empty_and_blank_files() -> None:
     assert rows[0]["error"].startswith("empty_file: 'empty.txt'")
     assert rows[1]["error"].startswith("empty_file: 'blank.md'")
     assert rows[2] == {"doc_id": "id-2", "source": "real.txt", "page": 0, "text": "words here", "image_only": False,
-                       "n_words": 2, "text_source": None, "ocr_confidence": None, "error": None}
+                       "n_words": 2, "text_source": None, "ocr_confidence": None, "warning": None,
+                       "error": None}
 
 
 def test_params_are_validated() -> None:
