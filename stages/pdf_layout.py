@@ -266,8 +266,10 @@ def reading_order(blocks: list[Block], min_gutter: float = MIN_GUTTER) -> list[B
             strips.append([b])
             bottom = b.y1
     def joins(band: list[Block], strip: list[Block]) -> bool:
-        if gutters(band + strip, min_gutter):
-            return True
+        shared = gutters(band + strip, min_gutter)
+        if shared:
+            # ... unless the band would hide columns of the strip (a title over two of three columns)
+            return len(shared) >= len(gutters(strip, min_gutter))
         return not (gutters(band, min_gutter) or gutters(strip, min_gutter))
 
     bands: list[list[Block]] = []
