@@ -556,13 +556,15 @@ def find_page_tables(page: pymupdf.Page, content: PageContent, mode: TablesMode)
 
 
 def _without(blocks: list[list[Line]], taken: set[int]) -> list[list[Line]]:
+    """The blocks without the words in ``taken``; lines keep their identity (``pdf_lines``' line numbers point at
+    them), emptied lines and blocks go."""
     out = []
     for block in blocks:
         lines = []
         for line in block:
-            kept = [w for w in line.words if id(w) not in taken]
-            if kept:
-                lines.append(Line(words=kept, horizontal=line.horizontal))
+            line.words = [w for w in line.words if id(w) not in taken]
+            if line.words:
+                lines.append(line)
         if lines:
             out.append(lines)
     return out

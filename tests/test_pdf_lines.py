@@ -55,6 +55,22 @@ def test_margin_line_numbers_start_their_lines_and_never_make_a_table(tmp_path, 
     assert [line.strip() for line in dropped.split("\n") if line.strip()] == texts
 
 
+def test_line_numbers_survive_a_table_taking_words_from_the_page(tmp_path) -> None:
+    """The table finder takes its words out of the page's lines without replacing the lines: the lifted numbers still
+    point at lines of the page, so ``keep`` puts them back."""
+    from docfuse.stages.pdf_lines import restore_line_numbers, take_line_numbers
+    from docfuse.stages.pdf_tables import _without
+
+    path, texts = transcript(tmp_path / "t.pdf")
+    content = extract_page(pymupdf.open(path)[0])
+    numbers = take_line_numbers(content)
+    first = content.blocks[0][0].words[0]
+    content.blocks = _without(content.blocks, {id(first)})  # as find_page_tables does for a table's words
+    restore_line_numbers(numbers, "keep")
+    lines = [line.text for block in content.blocks for line in block]
+    assert lines[1:] == [f"{i} {t}" for i, t in enumerate(texts, 1)][1:]
+
+
 def test_a_column_of_figures_is_not_taken_for_line_numbers(tmp_path) -> None:
     """Numbers beside text but not in a margin (a price list inside the text's columns) stay where they are."""
     doc = pymupdf.open()
