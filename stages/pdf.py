@@ -221,14 +221,13 @@ class PdfText(Stage):
                                                     f"page has {words} words, more than pdf.text's work budget "
                                                     f"({p.max_layout_words}): read in PyMuPDF's order, without "
                                                     "tables or headings; raise text.max_layout_words to lay it out")))
-                    self.stats["pages"] += 1
-                    continue
-                numbers = repair_lines(content)
-                tables, ran = find_page_tables(page, content, p.tables)
-                self.stats["find_tables_pages"] += ran
-                self.stats["tables"] += len(tables)
-                extracted.append(_Extracted(content, tables, image_only=not content.usable,
-                                            source="layer" if content.usable else "none", numbers=numbers))
+                else:
+                    numbers = repair_lines(content)
+                    tables, ran = find_page_tables(page, content, p.tables)
+                    self.stats["find_tables_pages"] += ran
+                    self.stats["tables"] += len(tables)
+                    extracted.append(_Extracted(content, tables, image_only=not content.usable,
+                                                source="layer" if content.usable else "none", numbers=numbers))
             except Exception as exc:
                 extracted.append(exc)
             self.stats["pages"] += 1

@@ -120,14 +120,20 @@ class DocStyle:
         return self.heading_levels.get(_round_size(size), 0)
 
 
-def doc_style(pages: list[PageContent]) -> DocStyle:
-    """Body size, heading levels by size rank, and the margin texts that repeat across pages."""
+def _size_counts(pages: list[PageContent]) -> Counter[float]:
+    """Characters per rounded font size over ``pages``."""
     sizes: Counter[float] = Counter()
     for page in pages:
         for block in page.blocks:
             for line in block:
                 for w in line.words:
                     sizes[_round_size(w.size)] += len(w.text)
+    return sizes
+
+
+def doc_style(pages: list[PageContent]) -> DocStyle:
+    """Body size, heading levels by size rank, and the margin texts that repeat across pages."""
+    sizes = _size_counts(pages)
     body = sizes.most_common(1)[0][0] if sizes else 10.0
     candidates = set()
     for page in pages:
@@ -199,11 +205,7 @@ def _role(line: Line, style: DocStyle, page_body: float | None = None) -> tuple[
 def page_body_size(page: PageContent) -> float | None:
     """The page's own body size (the most common by characters) when it holds enough text to have one: a heading
     must stand out on its page too, not only against the document (a page set larger than the rest)."""
-    sizes: Counter[float] = Counter()
-    for block in page.blocks:
-        for line in block:
-            for w in line.words:
-                sizes[_round_size(w.size)] += len(w.text)
+    sizes = _size_counts([page])
     if sum(sizes.values()) < PAGE_BODY_CHARS:
         return None
     return sizes.most_common(1)[0][0]

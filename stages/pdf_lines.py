@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,6 +77,11 @@ class LineNumber:
     line: Line | None
 
 
+def _keep_lines(content: PageContent, keep: Callable[[Line], bool]) -> None:
+    """Leave only the lines ``keep`` accepts in ``content``'s blocks (in place); blocks left empty go."""
+    content.blocks = [kept for kept in ([line for line in block if keep(line)] for block in content.blocks) if kept]
+
+
 def _single_words(content: PageContent) -> list[tuple[Word, Line]]:
     return [(line.words[0], line) for block in content.blocks for line in block
             if line.horizontal and len(line.words) == 1]
@@ -115,9 +121,7 @@ def take_line_numbers(content: PageContent) -> list[LineNumber]:
             found = _numbered_column(content, group)
             if found:
                 taken = {id(n.word) for n in found}
-                content.blocks = [kept for kept in ([line for line in block
-                                                     if not (len(line.words) == 1 and id(line.words[0]) in taken)]
-                                                    for block in content.blocks) if kept]
+                _keep_lines(content, lambda line: not (len(line.words) == 1 and id(line.words[0]) in taken))
                 return found
     return []
 
@@ -175,8 +179,7 @@ def attach_raised_markers(content: PageContent) -> None:
         host.words.insert(at, w)
         moved.add(id(own))
     if moved:
-        content.blocks = [kept for kept in ([line for line in block if id(line) not in moved]
-                                            for block in content.blocks) if kept]
+        _keep_lines(content, lambda line: id(line) not in moved)
 
 
 def _raised_over(w: Word, own: Line, near: list[tuple]) -> Line | None:
@@ -269,8 +272,7 @@ def join_label_values(content: PageContent) -> None:
         label.words = words + value.words
         taken.add(id(value))
     if taken:
-        content.blocks = [kept for kept in ([line for line in block if id(line) not in taken]
-                                            for block in content.blocks) if kept]
+        _keep_lines(content, lambda line: id(line) not in taken)
 
 
 def _is_label(line: Line) -> bool:
@@ -313,5 +315,4 @@ def drop_duplicate_words(content: PageContent) -> None:
                 kept.append(w)
             line.words = kept
     if changed:
-        content.blocks = [kept for kept in ([line for line in block if line.words] for block in content.blocks)
-                          if kept]
+        _keep_lines(content, lambda line: bool(line.words))

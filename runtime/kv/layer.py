@@ -590,24 +590,20 @@ class TieredLayer(CacheLayerMixin):
             self.assoc, self.assoc_pos = None, None
             return
         a = self.assoc
+        rows = keep  # rows of the store that stay: its first ``keep`` tokens
         if a.hidden is not None:
-            # fixed codes: the store keeps positions [0, length); codes cut inside their prefix are still codes of
-            # those tokens, but a group's scale saw the removed ones: the next re-tier makes them again
+            # fixed codes: row t is position t, so the store keeps positions [0, length); codes cut inside their
+            # prefix are still codes of those tokens, but a group's scale saw the removed ones: the next re-tier
+            # makes them again
             rows = min(a.length, length)
             self._codes_stale |= rows < a.length
-            a.keys.length = rows
-            a.values.length = rows
-            a.values.codes, a.values.scale, a.values.zero = (a.values.codes[:, :, :rows], a.values.scale[:, :, :rows],
-                                                             a.values.zero[:, :, :rows])
             a.hidden = a.hidden[:, :, :rows]
-            self.assoc_pos = self.assoc_pos[:, :, :keep]
-            return
-        a.keys.length = keep
-        a.values.length = keep
-        a.values.codes, a.values.scale, a.values.zero = (a.values.codes[:, :, :keep], a.values.scale[:, :, :keep],
-                                                         a.values.zero[:, :, :keep])
+        a.keys.length = rows
+        a.values.length = rows
+        a.values.codes, a.values.scale, a.values.zero = (a.values.codes[:, :, :rows], a.values.scale[:, :, :rows],
+                                                         a.values.zero[:, :, :rows])
         if a.anchor_index is not None:
-            a.anchor_index = a.anchor_index[:, :, :keep]
+            a.anchor_index = a.anchor_index[:, :, :rows]
         self.assoc_pos = self.assoc_pos[:, :, :keep]
 
     def truncate_summaries(self, final_pages: int) -> None:
