@@ -183,6 +183,10 @@ class Session:
         self.document_prefill_s = 0.0
         self._charge_prefill = False
         self._writer: Any = None  # runtime.kv.background.ArchiveWriter, made on the first layer-major prefill on CUDA
+        #: ``kv.questions: together``: the questions read for the current tiers, by suffix ids, and the seconds of
+        #: their shared re-tier (``read_questions``)
+        self._reads: dict[tuple[int, ...], Any] = {}
+        self._shared_retier_s = 0.0
         self.pruning = PruningConfig.model_validate(pruning) if isinstance(pruning, dict) else pruning
         self.pruner: Pruner | None = None
         if self.pruning is not None:
@@ -258,9 +262,33 @@ class Session:
         self.prefix_length = self.cache.get_seq_length()
         self.prefix_ids = ids
         self._citer = None
+        self._reads = {}
         self.document_prefill_s = metrics.now(self.device) - started
         self._charge_prefill = True
         return self.document_prefill_s
+
+    @property
+    def together(self) -> bool:
+        """Whether the questions of one prefill share one re-tier (``kv.questions: together``)."""
+        return self.kv is not None and self.kv.method == "tiered" and self.kv.questions == "together"
+
+    @torch.inference_mode()
+    def read_questions(self, questions: Sequence[str]) -> None:
+        """``kv.questions: together``: read every question exactly, then re-tier the document once for all of them;
+        ``ask`` then answers each from the shared tiers. Nothing to do for other caches (``ask`` re-tiers per
+        question there). Asking a question that was not read here re-tiers for that question alone."""
+        if not self.together:
+            return
+        if self.cache is None:
+            raise RuntimeError("no document prefilled; call session.prefill(document_ids) first")
+        from docfuse.runtime.kv import read_questions
+
+        suffixes = list(dict.fromkeys(tuple(self.prompt.suffix(q)) for q in questions))
+        crop_cache(self.cache, self.prefix_length)
+        started = time.perf_counter()
+        reads = read_questions(self.model, self.cache, suffixes)
+        self._shared_retier_s = time.perf_counter() - started - sum(r.read_s for r in reads)
+        self._reads = {r.ids: r for r in reads}
 
     @torch.inference_mode()
     def ask(self, question: str, max_new_tokens: int = 128, *, safe_mode: bool | None = None,
@@ -300,7 +328,14 @@ class Session:
         first: torch.Tensor | None = None  # the first answer token's logits, when re-tiering already read the question
         question_ids = torch.tensor([suffix], dtype=torch.long, device=self.device)
         # Re-tier for this question from its own queries; counted in its time to first token.
-        if kv is not None and kv.question == "exact":
+        if self.together:
+            if tuple(suffix) not in self._reads:  # asked without read_questions: the shared tiers are its own
+                self.read_questions([question])
+            read = self._reads[tuple(suffix)]
+            self.cache.append_read(read)
+            first = read.logits
+            started -= read.read_s + self._shared_retier_s  # its read and the shared re-tier came before
+        elif kv is not None and kv.question == "exact":
             first = read_question(self.model, self.cache, question_ids)
         elif tiered:
             prepare_question(self.model, self.cache, question_ids)

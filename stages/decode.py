@@ -343,6 +343,7 @@ class DecodeGenerate(Stage):
         for read in reads:
             self.session.prefill(read.ids, chunk_size=p.prefill_chunk, embeds=read.embeds,
                                  source=doc.get("source") or "")
+            self.session.read_questions([prompts[i] for i in read.questions])  # kv.questions: together only
             for i in read.questions:
                 a = self.session.ask(prompts[i], max_new_tokens=p.max_new_tokens,
                                      safe_mode=self.context.get("safe_mode"))

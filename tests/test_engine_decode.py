@@ -262,3 +262,54 @@ def test_the_open_documents_archive_stays_on_the_card_when_it_fits_beside_the_st
     engine._archive_room = engine._full_bytes(5000)  # room left beside the streams
     assert engine._device_archive(5000) and not engine._device_archive(5001)
     assert Engine(model, KV, set(), archive="host")._device_archive(10) is False
+
+
+@torch.inference_mode()
+def together_alone(model, kv: dict, prefix: list[int], questions: list[list[int]], max_new: int,
+                   stops: set[int]) -> list[list[int]]:
+    """What Session does with ``kv.questions: together``: read every question, re-tier once, answer each."""
+    from docfuse.runtime.kv import read_questions
+
+    cache = TieredCache(model.config, kv)
+    fill_cache(model, cache, prefix, 64)
+    answers = []
+    for read in read_questions(model, cache, questions):
+        cache.append_read(read)
+        token, out = int(read.logits.argmax()), []
+        with reading_codes(model, cache):
+            while token not in stops:
+                out.append(token)
+                if len(out) >= max_new:
+                    break
+                token = int(forward_tokens(model, cache, [token]).argmax())
+        cache.rollback(len(prefix))
+        answers.append(out)
+    return answers
+
+
+def test_questions_together_share_one_copy_of_the_documents_tiers() -> None:
+    """kv.questions: together: each stream answers as Session does in that mode, the document's tiers are loaded
+    into pages once for all its questions, and every page comes back when the last of them ends."""
+    model = tiny(seed=3)
+    kv = {**KV, "questions": "together"}
+    docs = documents() + [Document(ids(2600, 5), [ids(9, 51), ids(12, 52), ids(8, 53), ids(15, 54)],
+                                   max_new_tokens=10)]
+    expected = [together_alone(model, kv, list(d.prefix), [list(q) for q in d.questions], d.max_new_tokens, set())
+                for d in docs]
+    stop = next(t for answers in expected for a in answers for t in a[2:5])
+    expected = [together_alone(model, kv, list(d.prefix), [list(q) for q in d.questions], d.max_new_tokens, {stop})
+                for d in docs]
+    engine = Engine(model, kv, {stop}, max_streams=8, archive="device")
+    # room for the long document's four streams only if they share its tiers
+    each = Engine(model, KV, set())
+    alone_pages = each.document_pages(docs[-1])
+    shared_pages = engine.document_pages(docs[-1])
+    assert shared_pages[1] * 4 == alone_pages[1] and shared_pages[0] < alone_pages[0]
+    s = engine.shape
+    engine.pool_bytes = (shared_pages[0] + 1) * s.core_page_bytes + (shared_pages[1] + 1) * s.assoc_page_bytes
+    got = engine.run(docs)
+    assert [[o.tokens for o in d] for d in got] == expected
+    assert all(o.error is None for d in got for o in d)
+    assert engine.stats["max_live"] >= 4 and engine.stats["max_live_documents"] >= 1
+    assert len(engine.pool.free_core) == engine.pool.core_total
+    assert len(engine.pool.free_assoc) == engine.pool.assoc_total

@@ -60,3 +60,12 @@ def test_graph_decode_of_many_streams_in_bfloat16_mostly_agrees():
     same = sum(a == b for a, b in zip(alone, together))
     print(f"bf16: {same} of {len(alone)} answers equal")
     assert same >= len(alone) * 3 // 4
+
+
+def test_questions_together_answer_on_the_gpu_as_the_session_does_in_that_mode():
+    """kv.questions: together: the engine's streams over one shared copy of each document's tiers answer as
+    Session does when it reads the questions first and re-tiers once."""
+    kv = {**KV, "questions": "together"}
+    alone, together = answers("off", kv), answers("on", kv)
+    assert [r["answer"] for r in together] == [r["answer"] for r in alone]
+    assert all(r["error"] is None for r in together)

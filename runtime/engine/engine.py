@@ -14,6 +14,11 @@ questions and keeps every stream it can fit decoding together:
    CUDA graph per batch-size bucket. Each stream stops at its own end-of-sequence or ``max_new_tokens``; its pages
    go back to the pool, and a waiting question takes its place (continuous batching).
 
+With ``kv.questions: together`` a document's questions are all read (exactly) when it opens, its tiers are chosen
+once for all of them and copied into pages once, and each question's stream reads those shared pages plus its own
+(the core's partial last page, its question, its answer): a review checklist of eight questions holds one copy of
+the document's tiers, not eight, and re-tiers once, not eight times.
+
 Admission is by pages: a question starts only when the pool has the pages its tiers need (counted before it is
 read), so nothing runs out of memory and nothing is dropped; a document whose single stream could never fit gets an
 error that names the settings to lower. The greedy tokens equal ``Session``'s for the same (document, question).
@@ -33,9 +38,10 @@ from typing import Any, Literal
 import torch
 
 from docfuse.runtime import metrics
-from docfuse.runtime.engine.pool import PagePool, PoolShape, StreamPages, pages_for
+from docfuse.runtime.engine.pool import PagePool, PoolShape, SharedTiers, StreamPages, pages_for
 from docfuse.runtime.engine.step import BatchStep, step_supported
-from docfuse.runtime.kv import KVConfig, TieredCache, as_kv_config, prepare_question, read_question
+from docfuse.runtime.kv import (KVConfig, QuestionRead, TieredCache, as_kv_config, prepare_question, read_question,
+                                read_questions)
 from docfuse.runtime.kv.background import DeviceArchive
 from docfuse.runtime.kv.config import resolve_budget
 
@@ -123,6 +129,11 @@ class _Open:
     prefix: int
     prefill_s: float
     next_question: int = 0
+    #: ``kv.questions: together``: every question's exact read, the seconds of the shared re-tier, and the shared
+    #: tiers' pages once the first stream needs them
+    reads: list[QuestionRead] | None = None
+    retier_s: float = 0.0
+    shared: SharedTiers | None = None
 
 
 class Engine:
@@ -191,6 +202,33 @@ class Engine:
         core, assoc = self.stream_tokens(prefix, question)
         return pages_for(core + max_new, self.shape.page), pages_for(assoc, self.shape.page)
 
+    @property
+    def together(self) -> bool:
+        return self.kv.questions == "together"
+
+    def shared_pages(self, prefix: int) -> tuple[int, int]:
+        """``kv.questions: together``: the pages of a document's shared tiers (the core's whole pages)."""
+        core, assoc = self.stream_tokens(prefix, 0)
+        return core // self.shape.page, pages_for(assoc, self.shape.page)
+
+    def start_pages(self, doc: Document, question: int, shared_loaded: bool = False) -> tuple[int, int]:
+        """Pages that starting question ``question`` of ``doc`` takes from the pool now: its whole tiers, or with
+        shared tiers its own pages (plus the shared ones when they are not loaded yet)."""
+        q = len(doc.questions[question])
+        if not self.together:
+            return self.stream_pages(len(doc.prefix), q, doc.max_new_tokens)
+        core, _ = self.stream_tokens(len(doc.prefix), 0)
+        own = pages_for(core % self.shape.page + q + doc.max_new_tokens, self.shape.page)
+        if shared_loaded:
+            return own, 0
+        shared = self.shared_pages(len(doc.prefix))
+        return shared[0] + own, shared[1]
+
+    def document_pages(self, doc: Document) -> tuple[int, int]:
+        """Pages every question of ``doc`` holds when all of them are live at once."""
+        pages = [self.start_pages(doc, q, shared_loaded=self.together and q > 0) for q in range(len(doc.questions))]
+        return sum(c for c, _ in pages), sum(a for _, a in pages)
+
     def prefill_reserve(self, tokens: int, archive: bool | None = None) -> int:
         """Device bytes a document of ``tokens`` needs outside the pool while it is open: its cache (the full one
         for a token-major prefill, the tiers and one layer's full K/V for a layer-major one) and the activations of
@@ -230,15 +268,19 @@ class Engine:
 
     def _make_pool(self, docs: Sequence[Document]) -> PagePool:
         s = self.shape
-        # per document: the pages of its largest stream, and how many streams it has
-        need = [(self.stream_pages(len(d.prefix), max(len(q) for q in d.questions), d.max_new_tokens),
-                 len(d.questions)) for d in docs if d.questions]
+        # per document: the pages of all its streams at once, and how many streams that is
+        need = [(self.document_pages(d), len(d.questions)) for d in docs if d.questions]
         core_bytes = sum(c * s.core_page_bytes for (c, _), _n in need) or s.core_page_bytes
         assoc_bytes = sum(a * s.assoc_page_bytes for (_, a), _n in need)
         share = core_bytes / (core_bytes + assoc_bytes)
-        # every stream's pages in bytes, largest first
-        per_stream = sorted((c * s.core_page_bytes + a * s.assoc_page_bytes for (c, a), n in need for _ in range(n)),
-                            reverse=True)
+        # the bytes of as many documents' streams as the largest bucket runs at once, largest first
+        per_doc = sorted(((c * s.core_page_bytes + a * s.assoc_page_bytes, n) for (c, a), n in need), reverse=True)
+        per_stream, streams = [], 0
+        for nbytes_doc, n in per_doc:
+            if streams >= max(self.buckets):
+                break
+            per_stream.append(nbytes_doc)
+            streams += n
         self._archive_room = 0  # no room beyond the static rule unless this run's free memory says so
         nbytes = self.pool_bytes
         if nbytes is None:
@@ -258,7 +300,7 @@ class Engine:
                 nbytes = GB
         # never more than every stream at once needs (plus a page of each tier for rounding): a small batch keeps
         # the rest of the card free
-        nbytes = min(nbytes, sum(per_stream[:max(self.buckets)]) + 2 * (s.core_page_bytes + s.assoc_page_bytes))
+        nbytes = min(nbytes, sum(per_stream) + 2 * (s.core_page_bytes + s.assoc_page_bytes))
         nbytes = max(nbytes, s.core_page_bytes + s.assoc_page_bytes)
         return PagePool.sized(s, nbytes, share, self.device)
 
@@ -271,11 +313,12 @@ class Engine:
         metrics.reset_peak_memory(self.device)
         self.pool = pool = self._make_pool(docs)
         s = self.shape
+        # the largest page table a stream needs (with shared tiers, the same count: shared whole pages + its own)
         widths = [self.stream_pages(len(d.prefix), len(q), d.max_new_tokens) for d in docs for q in d.questions]
         core_width = max((w[0] for w in widths), default=1)
         assoc_width = max((w[1] for w in widths), default=1)
         self.steps = {}
-        self.stats = {"steps": 0, "max_live": 0, "step_s": 0.0, "buckets": {}, "pool_bytes": pool.nbytes(),
+        self.stats = {"steps": 0, "max_live": 0, "max_live_documents": 0, "step_s": 0.0, "buckets": {}, "pool_bytes": pool.nbytes(),
                       "core_pages": pool.core_total, "assoc_pages": pool.assoc_total}
         queue = deque(i for i, d in enumerate(docs) if d.questions)
         live: list[_Stream] = []
@@ -289,8 +332,8 @@ class Engine:
                         break
                     i = queue[0]
                     doc = docs[i]
-                    first = self.stream_pages(len(doc.prefix), max(len(q) for q in doc.questions),
-                                              doc.max_new_tokens)
+                    longest = max(range(len(doc.questions)), key=lambda j: len(doc.questions[j]))
+                    first = self.start_pages(doc, longest)
                     too_long = self._too_long(doc)
                     if too_long:
                         queue.popleft()
@@ -308,7 +351,7 @@ class Engine:
                         continue
                 doc = docs[opened.index]
                 q = opened.next_question
-                need = self.stream_pages(opened.prefix, len(doc.questions[q]), doc.max_new_tokens)
+                need = self.start_pages(doc, q, shared_loaded=opened.shared is not None)
                 if not pool.fits_now(*need):
                     if not live:  # cannot happen when fits_ever held: every page is free
                         raise RuntimeError("the pool is empty and still cannot hold a stream it was sized for")
@@ -319,7 +362,9 @@ class Engine:
                     rebind = True
                 opened.next_question += 1
                 if opened.next_question == len(doc.questions):
-                    opened = None  # the document's cache goes; its streams hold their own tiers
+                    if opened.shared is not None:
+                        pool.release(opened.shared)  # the open document's hold; its streams keep theirs
+                    opened = None  # the document's cache goes; its streams hold their tiers
             if not live:
                 continue
             # ---- one step for every live stream ----
@@ -336,6 +381,7 @@ class Engine:
             self.stats["step_s"] += seconds
             self.stats["steps"] += 1
             self.stats["max_live"] = max(self.stats["max_live"], len(live))
+            self.stats["max_live_documents"] = max(self.stats["max_live_documents"], len({st.doc for st in live}))
             per = self.stats["buckets"].setdefault(size, {"steps": 0, "seconds": 0.0, "live": 0, "tier_bytes": 0})
             per["steps"] += 1
             per["seconds"] += seconds
@@ -391,6 +437,12 @@ class Engine:
         try:
             fill_cache(self.model, cache, list(doc.prefix), self.prefill_chunk, doc.embeds, layers=layers,
                        writer=self._writer)
+            prefill_s = metrics.now(self.device) - t0
+            reads, retier_s = None, 0.0
+            if self.together:  # every question read exactly, then one re-tier for all of them
+                t1 = time.perf_counter()
+                reads = read_questions(self.model, cache, doc.questions)
+                retier_s = time.perf_counter() - t1 - sum(r.read_s for r in reads)
         except torch.OutOfMemoryError as exc:
             del cache
             torch.cuda.empty_cache()
@@ -398,10 +450,12 @@ class Engine:
                        f"prefilling {len(doc.prefix)} tokens ran out of device memory ({str(exc).splitlines()[0]}); "
                        "set kv.prefill: layers, lower answer.prefill_chunk, or truncate the document")
             return None
-        return _Open(index, cache, cache.get_seq_length(), metrics.now(self.device) - t0)
+        return _Open(index, cache, cache.get_seq_length(), prefill_s, reads=reads, retier_s=retier_s)
 
     def _start(self, opened: _Open, doc: Document, q: int, out: StreamOutput, started: float) -> _Stream | None:
         """Read question ``q`` of the open document, move its tiers into pages; ``None`` when it ends at once."""
+        if opened.reads is not None:
+            return self._start_shared(opened, doc, q, out, started)
         cache, model = opened.cache, self.model
         question = torch.tensor([list(doc.questions[q])], dtype=torch.long, device=self.device)
         t0 = metrics.now(self.device)
@@ -427,6 +481,28 @@ class Engine:
             stream.pages = self.pool.load(cache, doc.max_new_tokens)
         cache.rollback(opened.prefix)
         return stream if live else None
+
+    def _start_shared(self, opened: _Open, doc: Document, q: int, out: StreamOutput, started: float
+                      ) -> _Stream | None:
+        """Start question ``q`` from its read and the document's shared tiers (``kv.questions: together``)."""
+        read, cache = opened.reads[q], opened.cache
+        token = int(read.logits.argmax())
+        now = time.perf_counter()
+        # its own read and the shared re-tier (and, for the first question, the document's prefill)
+        out.ttft_s = read.read_s + opened.retier_s + (opened.prefill_s if q == 0 else 0.0)
+        out.first_token_at_s = now - started
+        acc = cache.accounting()
+        own = len(read) * sum(layer.token_bytes() for layer in cache.layers)  # its question, in the core
+        out.kv_device_bytes, out.kv_host_bytes, out.kv_full_bytes = (acc["kv_device_bytes"] + own,
+                                                                     acc["kv_host_bytes"], acc["kv_full_bytes"] + own)
+        stream = _Stream(opened.index, q, StreamPages([], [], 0, 0), token, opened.prefix + len(read),
+                         cache.layers[0].n_core + len(read), doc.max_new_tokens, out)
+        if not self._take(stream, token, first=True):
+            return None
+        if opened.shared is None:
+            opened.shared = self.pool.load_shared(cache)
+        stream.pages = self.pool.attach(opened.shared, cache, read, doc.max_new_tokens)
+        return stream
 
     def _take(self, st: _Stream, token: int, first: bool = False) -> bool:
         """Book ``token`` for the stream as ``Session`` does; whether the stream decodes on."""

@@ -80,13 +80,28 @@ class PoolShape:
 
 
 @dataclass
+class SharedTiers:
+    """A document's tiers shared by its questions' streams (``kv.questions: together``): the core's whole pages and
+    every association page, read by each stream, written by none. ``refs`` counts the holders (the streams, and the
+    open document while it still starts questions); the pages go back to the pool with the last."""
+
+    core: list[int]
+    assoc: list[int]
+    n_core: int  # core tokens of the document, the last ``n_core % page`` of them copied into each stream's pages
+    n_assoc: int
+    refs: int = 1
+
+
+@dataclass
 class StreamPages:
-    """Where one stream's tiers live: its pages and token counts (the same in every layer and KV head)."""
+    """Where one stream's tiers live: its pages and token counts (the same in every layer and KV head). A stream
+    of shared tiers lists the document's pages first (``shared``) and its own after them."""
 
     core: list[int]
     assoc: list[int]
     n_core: int
     n_assoc: int
+    shared: SharedTiers | None = None
 
 
 class PagePool:
@@ -143,9 +158,21 @@ class PagePool:
         return ([self.free_core.pop() for _ in range(core_pages)],
                 [self.free_assoc.pop() for _ in range(assoc_pages)])
 
-    def release(self, stream: StreamPages) -> None:
-        self.free_core.extend(reversed(stream.core))
-        self.free_assoc.extend(reversed(stream.assoc))
+    def release(self, stream: StreamPages | SharedTiers) -> None:
+        """Give a stream's pages back; shared tiers (or a stream's share of them) go when their last holder does."""
+        if isinstance(stream, SharedTiers):
+            stream.refs -= 1
+            if stream.refs == 0:
+                self.free_core.extend(reversed(stream.core))
+                self.free_assoc.extend(reversed(stream.assoc))
+            return
+        if stream.shared is not None:
+            self.free_core.extend(reversed(stream.core[len(stream.shared.core):]))
+            self.release(stream.shared)
+            stream.shared = None
+        else:
+            self.free_core.extend(reversed(stream.core))
+            self.free_assoc.extend(reversed(stream.assoc))
         stream.core, stream.assoc = [], []
 
     # ---- moving tiers in ---------------------------------------------------------------------------------------
@@ -178,6 +205,56 @@ class PagePool:
             self.core_v[i].index_copy_(0, core_rows, layer.values[0, :, :n_core].transpose(0, 1).to(s.dtype))
             if n_assoc:
                 self._load_assoc(i, layer.assoc, *assoc_rows)
+        return stream
+
+    def load_shared(self, cache) -> SharedTiers:
+        """Copy a document's re-tiered tiers into pages its questions' streams share: the core's whole pages (its
+        last partial page goes into each stream's own pages, :meth:`attach`) and the association tier. The caller
+        holds the first reference."""
+        first = cache.layers[0]
+        n_core, n_assoc = first.n_core, first.n_assoc
+        s = self.shape
+        whole = n_core // s.page * s.page
+        core, assoc = self.allocate(whole // s.page, pages_for(n_assoc, s.page))
+        shared = SharedTiers(core, assoc, n_core, n_assoc)
+        core_rows = self.rows(core, whole)
+        padded = first.assoc.keys.codes.shape[2] if n_assoc else 0
+        assoc_rows = (self.rows(assoc, padded), self.rows(assoc, padded // s.group, s.page // s.group),
+                      self.rows(assoc, n_assoc)) if n_assoc else None
+        for i, layer in enumerate(cache.layers):
+            problem = self._mismatch(layer, n_core, n_assoc, padded)
+            if problem:
+                self.release(shared)
+                raise ValueError(problem)
+            self.core_k[i].index_copy_(0, core_rows, layer.keys[0, :, :whole].transpose(0, 1).to(s.dtype))
+            self.core_v[i].index_copy_(0, core_rows, layer.values[0, :, :whole].transpose(0, 1).to(s.dtype))
+            if n_assoc:
+                self._load_assoc(i, layer.assoc, *assoc_rows)
+        return shared
+
+    def private_pages(self, shared_core: int, question: int, core_extra: int) -> int:
+        """Core pages a stream of shared tiers owns: the document core's partial last page, its question, its answer."""
+        return pages_for(shared_core % self.shape.page + question + core_extra, self.shape.page)
+
+    def attach(self, shared: SharedTiers, cache, read, core_extra: int) -> StreamPages:
+        """A stream over ``shared`` for one question (a :class:`~runtime.kv.queries.QuestionRead`): its own pages
+        hold the document core's partial last page (from ``cache``, which still holds the shared tiers), the
+        question's K/V and room for ``core_extra`` answer tokens."""
+        s = self.shape
+        whole = shared.n_core // s.page * s.page
+        own, _ = self.allocate(self.private_pages(shared.n_core, len(read), core_extra), 0)
+        shared.refs += 1
+        n_core = shared.n_core + len(read)
+        stream = StreamPages(shared.core + own, shared.assoc, n_core, shared.n_assoc, shared)
+        rows = self.rows(own, n_core - whole)
+        for i, layer in enumerate(cache.layers):
+            if layer.n_core != shared.n_core:
+                self.release(stream)
+                raise ValueError("the cache no longer holds the shared tiers (re-tiered or rolled back since)")
+            k = torch.cat([layer.keys[0, :, whole: shared.n_core], read.keys[i][0].to(layer.keys.dtype)], dim=1)
+            v = torch.cat([layer.values[0, :, whole: shared.n_core], read.values[i][0].to(layer.values.dtype)], dim=1)
+            self.core_k[i].index_copy_(0, rows, k.transpose(0, 1).to(s.dtype))
+            self.core_v[i].index_copy_(0, rows, v.transpose(0, 1).to(s.dtype))
         return stream
 
     def _mismatch(self, layer, n_core: int, n_assoc: int, padded: int) -> str | None:

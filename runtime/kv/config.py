@@ -84,6 +84,14 @@ class KVConfig(BaseModel):
     #: answer's later tokens read the tiers. ``tiered``: the question reads only the device tiers (less host-to-device
     #: traffic, the behaviour before issue 29; it lost second questions: bench/RESULTS.md, issue 29).
     question: Literal["exact", "tiered"] = "exact"
+    #: How the questions asked of one prefill share its tiers. ``each``: every question re-tiers the document for
+    #: itself (its own core and association). ``together``: the questions are read first (each exactly, as above, so
+    #: every first answer token is the same), then the document is re-tiered once from all their queries and every
+    #: question's answer reads those shared tiers plus its own tokens. One re-tier per document instead of one per
+    #: question, and on the GPU engine one copy of the document's tiers for all its questions (a review checklist of
+    #: eight questions holds one document's tiers, not eight); each question's share of the core is smaller.
+    #: Needs ``question: exact``.
+    questions: Literal["each", "together"] = "each"
     #: ``tiered``: the three tiers above. ``evict``: SnapKV-style eviction, a baseline for comparison: the first
     #: question's attention keeps ``core_tokens`` tokens per head (pooled over ``vote_pool``, observed over
     #: ``query_tokens``) and the rest is dropped for good, for every later question too.
@@ -159,6 +167,13 @@ class KVConfig(BaseModel):
     def _evict_budget(self) -> "KVConfig":
         if self.method == "evict" and self.core_tokens == "auto":
             raise ValueError("method: evict keeps core_tokens tokens; give a count or a fraction, not auto")
+        if self.questions == "together" and self.question != "exact":
+            raise ValueError("kv.questions: together reads every question exactly before the shared re-tier; set "
+                             "kv.question: exact (the default) or kv.questions: each")
+        if self.questions == "together" and self.retier_every is not None:
+            raise ValueError("kv.questions: together shares one re-tier among the questions; decode-time re-tiers "
+                             "(kv.retier_every) would change it under the others: drop retier_every or set "
+                             "kv.questions: each")
         return self
 
 

@@ -8,8 +8,10 @@ that costs a sliver of the forward pass and needs no change to the model.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -110,3 +112,51 @@ def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor
                                                                              tokens=cache.kv.query_tokens):
         out = model(input_ids=question_ids, position_ids=positions, use_cache=True, **kwargs)
     return out.logits[0, -1]
+
+
+@dataclass
+class QuestionRead:
+    """One question read exactly over the document before a shared re-tier (``kv.questions: together``): the first
+    answer token's logits, each layer's K/V of the question's own tokens (put back behind the shared tiers by
+    ``TieredCache.append_read`` when its answer starts) and the seconds its read took."""
+
+    ids: tuple[int, ...]
+    logits: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    read_s: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def read_questions(model: torch.nn.Module, cache: Any, questions: Sequence[Sequence[int]]) -> list[QuestionRead]:
+    """Read each question exactly over the document (as :func:`read_question` does), keep its first token's logits
+    and its own K/V, roll it back, then re-tier the document once from every question's queries.
+
+    The first answer token of every question is the full cache's, as with one re-tier per question; the answers'
+    later tokens read tiers chosen for all the questions at once (``kv.questions: together``)."""
+    prefix = cache.get_seq_length()
+    kwargs = _last_logits_kwargs(model, cache)
+    device = next(model.parameters()).device
+    reads: list[QuestionRead] = []
+    queries: list[list[torch.Tensor]] = [[] for _ in cache.layers]
+    for ids in questions:
+        started = time.perf_counter()
+        ids = tuple(int(i) for i in ids)
+        question = torch.tensor([ids], dtype=torch.long, device=device)
+        positions = torch.arange(prefix, prefix + len(ids), device=device).unsqueeze(0)
+        with torch.no_grad(), cache.exact_view(), record_queries(model, cache, tokens=cache.kv.query_tokens):
+            out = model(input_ids=question, position_ids=positions, use_cache=True, **kwargs)
+        own = [(layer.keys[:, :, layer.n_core - len(ids): layer.n_core].clone(),
+                layer.values[:, :, layer.n_core - len(ids): layer.n_core].clone()) for layer in cache.layers]
+        for i, taken in enumerate(cache.take_queries()):
+            if taken is not None:
+                queries[i].append(taken)
+        cache.rollback(prefix)
+        logits = out.logits[0, -1]
+        logits.max().item()  # the read is done when its time is taken
+        reads.append(QuestionRead(ids, logits, [k for k, _ in own], [v for _, v in own],
+                                  time.perf_counter() - started))
+    cache.retier(queries=[torch.cat(q, dim=2) if q else None for q in queries])
+    return reads

@@ -186,6 +186,16 @@ class TieredCache(Cache):
             priority[:, :, forced.to(priority.device)] = float("inf")
             layer.rebuild(priority, core, assoc, page_ids, keep_from=keep_from)
 
+    def append_read(self, read: Any) -> None:
+        """Put a question's own K/V (a :class:`~runtime.kv.queries.QuestionRead`, read exactly before the shared
+        re-tier) behind the tiers, as if the question had just been read: its answer decodes from here."""
+        if len(read.keys) != len(self.layers):
+            raise ValueError(f"the question was read by a model of {len(read.keys)} layers, this cache has "
+                             f"{len(self.layers)}")
+        for layer, k, v in zip(self.layers, read.keys, read.values):
+            layer.store(k, v)
+        self.peak_device = max(self.peak_device, self.device_bytes())
+
     def start_decode(self) -> None:
         """Count ``retier_every`` in decode steps from here (the question's suffix does not count)."""
         self.retiered_at = self.get_seq_length()
