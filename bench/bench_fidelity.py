@@ -84,11 +84,16 @@ CONFIGS["full-chunk256-fp32"] = None
 CONFIGS["default-fp32"] = {}
 CONFIGS["assoc-all-8bit-fp32"] = dict(CONFIGS["assoc-all-8bit"])
 CONFIGS["k8v4-fp32"] = dict(CONFIGS["k8v4"])
+#: kv.questions: together (a document's questions share one re-tier): the CPU defaults, and the GPU bench's budgets
+CONFIGS["together-fp32"] = {**CONFIGS["assoc-all-8bit"], "questions": "together"}
+CONFIGS["gpu-kv"] = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "association_key_bits": 4}
+CONFIGS["gpu-kv-together"] = {**CONFIGS["gpu-kv"], "questions": "together"}
 EXTRA: dict[str, dict[str, Any]] = {"full-chunk256": {"prefill_chunk": 256}, "full-fp32": {"dtype": "float32"},
                                     "full-chunk256-fp32": {"prefill_chunk": 256, "dtype": "float32"},
                                     "default-fp32": {"dtype": "float32"},
                                     "assoc-all-8bit-fp32": {"dtype": "float32"},
-                                    "k8v4-fp32": {"dtype": "float32"}}
+                                    "k8v4-fp32": {"dtype": "float32"}, "together-fp32": {"dtype": "float32"},
+                                    "gpu-kv": {"dtype": "float32"}, "gpu-kv-together": {"dtype": "float32"}}
 
 
 def log(*parts: object) -> None:

@@ -40,6 +40,11 @@ def test_every_question_is_read_exactly_and_the_document_re_tiers_once() -> None
         expected = forward(model, full, torch.tensor([question]))
         torch.testing.assert_close(read.logits, expected, rtol=1e-4, atol=1e-4)
         assert len(read.keys) == 3 and read.keys[0].shape[2] == 12
+    for question, read in zip(questions, reads):  # one pass for all: each question's K/V as if it were read alone
+        alone = token_major(model, document, TOGETHER)
+        (single,) = read_questions(model, alone, [question])
+        for a, b in zip(read.keys + read.values, single.keys + single.values):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     tiers = cache.membership(0).clone()
     for read in reads:  # each answer decodes on the shared tiers, then leaves them as they were
         cache.append_read(read)
@@ -90,6 +95,27 @@ def test_together_differs_from_each_only_after_the_first_token() -> None:
     together = token_major(model, document, TOGETHER)
     (read,) = read_questions(model, together, [question[0].tolist()])
     torch.testing.assert_close(read.logits, first_each, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_the_question_mask_keeps_questions_apart(impl) -> None:
+    from docfuse.runtime.kv.queries import question_mask
+
+    mask = question_mask(4, [2, 3], "cpu", torch.float32 if impl == "eager" else None)[0, 0]
+    attends = mask if impl == "sdpa" else mask == 0
+    assert attends.shape == (5, 9) and bool(attends[:, :4].all())
+    assert attends[0, 4:].tolist() == [True, False, False, False, False]
+    assert attends[1, 4:].tolist() == [True, True, False, False, False]
+    assert attends[4, 4:].tolist() == [False, False, True, True, True]
+    model = tiny()
+    model.config._attn_implementation = impl
+    document, question = doc(300, 1, 1), doc(9, 1, 8)[0].tolist()
+    full = DynamicCache(config=model.config)
+    forward(model, full, document)
+    expected = forward(model, full, torch.tensor([question]))
+    cache = token_major(model, document, TOGETHER)
+    reads = read_questions(model, cache, [doc(5, 1, 9)[0].tolist(), question])
+    torch.testing.assert_close(reads[1].logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_the_kv_block_refuses_together_without_exact_reads() -> None:

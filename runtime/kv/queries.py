@@ -130,33 +130,65 @@ class QuestionRead:
         return len(self.ids)
 
 
-def read_questions(model: torch.nn.Module, cache: Any, questions: Sequence[Sequence[int]]) -> list[QuestionRead]:
-    """Read each question exactly over the document (as :func:`read_question` does), keep its first token's logits
-    and its own K/V, roll it back, then re-tier the document once from every question's queries.
+def question_mask(prefix: int, lengths: Sequence[int], device: torch.device | str,
+                  eager_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A [1, 1, T, prefix + T] mask for questions laid end to end after a document of ``prefix`` tokens: each question
+    attends to the whole document and causally to its own tokens, never to another question's (True = attends; an
+    additive mask of ``eager_dtype`` for eager attention)."""
+    total = sum(lengths)
+    mask = torch.zeros(total, prefix + total, dtype=torch.bool, device=device)
+    mask[:, :prefix] = True
+    start = 0
+    for n in lengths:
+        mask[start: start + n, prefix + start: prefix + start + n] = torch.ones(n, n, dtype=torch.bool,
+                                                                                device=device).tril()
+        start += n
+    if eager_dtype is not None:
+        return torch.zeros(mask.shape, dtype=eager_dtype, device=device).masked_fill_(~mask, float("-inf"))[None, None]
+    return mask[None, None]
 
-    The first answer token of every question is the full cache's, as with one re-tier per question; the answers'
-    later tokens read tiers chosen for all the questions at once (``kv.questions: together``)."""
+
+def read_questions(model: torch.nn.Module, cache: Any, questions: Sequence[Sequence[int]]) -> list[QuestionRead]:
+    """Read every question exactly over the document (as :func:`read_question` reads one), in one pass, keep each
+    one's first-token logits and its own K/V, roll them back, then re-tier the document once from all their queries.
+
+    The questions go through the model end to end, each at the positions it would have alone and masked from the
+    others (:func:`question_mask`), so each one's logits, K/V and queries are those of its own exact read, and the
+    document's archive is read once for all of them. The answers' later tokens read tiers chosen for all the
+    questions at once (``kv.questions: together``)."""
+    started = time.perf_counter()
     prefix = cache.get_seq_length()
-    kwargs = _last_logits_kwargs(model, cache)
     device = next(model.parameters()).device
-    reads: list[QuestionRead] = []
-    queries: list[list[torch.Tensor]] = [[] for _ in cache.layers]
-    for ids in questions:
-        started = time.perf_counter()
-        ids = tuple(int(i) for i in ids)
-        question = torch.tensor([ids], dtype=torch.long, device=device)
-        positions = torch.arange(prefix, prefix + len(ids), device=device).unsqueeze(0)
-        with torch.no_grad(), cache.exact_view(), record_queries(model, cache, tokens=cache.kv.query_tokens):
-            out = model(input_ids=question, position_ids=positions, use_cache=True, **kwargs)
-        own = [(layer.keys[:, :, layer.n_core - len(ids): layer.n_core].clone(),
-                layer.values[:, :, layer.n_core - len(ids): layer.n_core].clone()) for layer in cache.layers]
-        for i, taken in enumerate(cache.take_queries()):
-            if taken is not None:
-                queries[i].append(taken)
-        cache.rollback(prefix)
-        logits = out.logits[0, -1]
-        logits.max().item()  # the read is done when its time is taken
-        reads.append(QuestionRead(ids, logits, [k for k, _ in own], [v for _, v in own],
-                                  time.perf_counter() - started))
-    cache.retier(queries=[torch.cat(q, dim=2) if q else None for q in queries])
+    asked = [tuple(int(i) for i in q) for q in questions]
+    lengths = [len(q) for q in asked]
+    if not asked or min(lengths) == 0:
+        raise ValueError("every question needs at least one token")
+    total = sum(lengths)
+    ids = torch.tensor([[i for q in asked for i in q]], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(prefix, prefix + n) for n in lengths]).to(device).unsqueeze(0)
+    eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
+    mask = question_mask(prefix, lengths, device, model.dtype if eager else None)
+    kwargs = {cache_kwarg(model): cache}
+    with torch.no_grad(), cache.exact_view(), record_queries(model, cache, tokens=total):
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+    ends = torch.tensor(lengths).cumsum(0)
+    logits = out.logits[0, (ends - 1).to(out.logits.device)]
+    recorded = cache.take_queries()
+    limit = cache.kv.query_tokens
+    merged: list[torch.Tensor | None] = []
+    own: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer, taken in zip(cache.layers, recorded):
+        own.append((layer.keys[:, :, layer.n_core - total: layer.n_core].clone(),
+                    layer.values[:, :, layer.n_core - total: layer.n_core].clone()))
+        # each question's last ``query_tokens`` queries, as its own read would have recorded them
+        merged.append(None if taken is None else torch.cat(
+            [taken[:, :, max(int(e) - n, int(e) - limit): int(e)] for e, n in zip(ends, lengths)], dim=2))
+    cache.rollback(prefix)
+    logits.max().item()  # the pass is done when its time is taken
+    read_s = (time.perf_counter() - started) / len(asked)
+    reads = []
+    for j, (q, n, e) in enumerate(zip(asked, lengths, ends.tolist())):
+        reads.append(QuestionRead(q, logits[j], [k[:, :, e - n: e] for k, _ in own],
+                                  [v[:, :, e - n: e] for _, v in own], read_s))
+    cache.retier(queries=merged)
     return reads
