@@ -32,6 +32,7 @@ from docfuse.pipelines.registry import all_stages
 from docfuse.pipelines.sources import InputError, count
 from docfuse.pipelines.spec import builtin_pipelines
 from docfuse.pipelines.validate import PipelineInvalid, check
+from docfuse.pipelines.writers import output_format
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="docfuse: declarative pipelines that turn "
                   "long documents into answers.", context_settings={"help_option_names": ["-h", "--help"]})
@@ -93,7 +94,9 @@ def run(
         show_default=False)] = None,
     input: Annotated[Optional[list[str]], typer.Option("--input", "-i", help="Files, folders, globs, Parquet/Arrow "
                                                        "datasets; repeatable, and paths after it count too.")] = None,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Parquet file to write (a folder for several outputs).")] = ...,
+    output: Annotated[Path, typer.Option("--output", "-o", help="File to write: .parquet, .csv or .jsonl (nested "
+                                         "columns as JSON text in CSV); a folder of Parquet files for several "
+                                         "outputs.")] = ...,
     set_: SetOpt = None,
     engine: Annotated[str, typer.Option(help="Executor: local, or ray (pip install 'docfuse\\[ray]').")] = "local",
     batch_docs: Annotated[int, typer.Option(min=1, help="Documents per batch: bounds memory.")] = 8,
@@ -106,14 +109,14 @@ def run(
                                                           "document asked about again skips its prefill (default: "
                                                           "<cache-dir>/kv; off with --no-cache).")] = None,
 ) -> None:
-    """Run a pipeline over documents and write its output as Parquet."""
+    """Run a pipeline over documents and write its output as Parquet, CSV or JSON Lines (by the file's suffix)."""
     inputs = [*(input or []), *(more or [])]
     if not inputs:
         fail("no input documents: pass --input/-i PATH (files, folders, globs or datasets), e.g. -i docs/*.pdf")
-    if output.suffix and output.suffix.lower() != ".parquet":
-        fail(f"--output {output}: docfuse writes Parquet (list and tensor columns do not fit {output.suffix}); "
-             f"use -o {output.with_suffix('.parquet')} and convert what you need, e.g. "
-             f"pyarrow.parquet.read_table(...).to_pandas().to_csv(...)")
+    try:
+        output_format(output)  # .parquet (or no suffix), .csv, .jsonl: anything else is refused before the run
+    except ValueError as exc:
+        fail(str(exc))
     pipe = load_pipeline(pipeline, set_)
     _use_kv_store(pipe, kv_store, None if no_cache else cache_dir)
     report = _execute(pipe, inputs, output, engine, batch_docs, None if no_cache else cache_dir, column, address)

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from docfuse.pipelines.cache import StageCache, stable_hash
 from docfuse.pipelines.planning import Plan, make_plan
 from docfuse.pipelines.sources import SOURCES, read_batches, table_batches
 from docfuse.pipelines.stage import Stage, conform, error_value
 from docfuse.pipelines.validate import PipelineInvalid, check
+from docfuse.pipelines.writers import TableWriter, open_writer, output_format
 
 if TYPE_CHECKING:
     from docfuse.pipelines.spec import PipelineSpec
@@ -274,13 +274,14 @@ def _checked_output(name: str, table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 class Sink:
-    """Parquet writers (one per output) writing to temporary names, renamed on success."""
+    """Writers (one per output; Parquet, or CSV / JSON Lines by the file's suffix, :mod:`pipelines.writers`) writing
+    to temporary names, renamed on success."""
 
     def __init__(self, names: list[str], schemas: dict[str, pa.Schema], output: str | os.PathLike | None) -> None:
         self.schemas = schemas
         self.paths: dict[str, Path] = {}
         self.memory: dict[str, list[pa.Table]] = {n: [] for n in names}
-        self.writers: dict[str, pq.ParquetWriter] = {}
+        self.writers: dict[str, TableWriter] = {}
         if output is not None:
             out = Path(output)
             if len(names) == 1:
@@ -289,7 +290,7 @@ class Sink:
                 self.paths = {n: out / f"{n}.parquet" for n in names}
             for name, path in self.paths.items():
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self.writers[name] = pq.ParquetWriter(str(path) + ".partial", schemas[name])
+                self.writers[name] = open_writer(str(path) + ".partial", schemas[name], output_format(path))
 
     def write(self, name: str, table: pa.Table) -> None:
         if name in self.writers:

@@ -135,9 +135,76 @@ def test_run_takes_the_paths_a_shell_glob_expands_after_one_i(tmp_path) -> None:
     assert sorted(set(pq.read_table(out).column("source").to_pylist())) == sorted([str(a), str(b)])
     missing = CliRunner().invoke(app, ["run", "pdf_extract", "-o", str(out)])
     assert missing.exit_code == 2 and "--input/-i" in missing.output
-    csv = CliRunner().invoke(app, ["run", "pdf_extract", "-i", str(a), "-o", str(tmp_path / "pages.csv")])
-    assert csv.exit_code == 2 and "writes Parquet" in csv.output and "pages.parquet" in csv.output
-    assert not (tmp_path / "pages.csv").exists()
+    xlsx = CliRunner().invoke(app, ["run", "pdf_extract", "-i", str(a), "-o", str(tmp_path / "pages.xlsx")])
+    assert xlsx.exit_code == 2 and ".csv or .jsonl" in xlsx.output and "pages.parquet" in xlsx.output
+    assert not (tmp_path / "pages.xlsx").exists()
+
+
+def test_csv_and_json_lines_outputs_hold_what_parquet_holds(tmp_path) -> None:
+    """-o pages.csv writes CSV (nested columns as JSON text, bytes as base64), -o pages.jsonl one object a row;
+    both carry the Parquet output's rows and values."""
+    import base64
+    import csv
+    import json
+
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from docfuse.pipelines.cli import app
+    from tests import pdf_fixtures as fx
+
+    pdf = fx.write_born_digital(tmp_path, n_pages=2)
+    outs = {}
+    for suffix in ("parquet", "csv", "jsonl"):
+        out = tmp_path / f"pages.{suffix}"
+        res = CliRunner().invoke(app, ["run", "pdf_extract", "-i", str(pdf), "-o", str(out), "--no-cache"])
+        assert res.exit_code == 0, res.output
+        outs[suffix] = out
+    table = pq.read_table(outs["parquet"])
+    rows = table.to_pylist()
+    with outs["csv"].open(newline="") as f:
+        cells = list(csv.DictReader(f))
+    lines = [json.loads(line) for line in outs["jsonl"].read_text().splitlines()]
+    assert len(cells) == len(lines) == len(rows) == 2
+    assert list(cells[0]) == list(lines[0]) == table.column_names
+    for row, cell, line in zip(rows, cells, lines):
+        assert cell["text"] == line["text"] == row["text"]
+        assert int(cell["page"]) == line["page"] == row["page"]
+
+
+def test_the_text_writers_keep_nested_binary_and_null_values(tmp_path) -> None:
+    import base64
+    import csv
+    import json
+
+    import pyarrow as pa
+
+    from docfuse.pipelines.writers import open_writer
+
+    schema = pa.schema([("doc_id", pa.string()), ("cited_pages", pa.list_(pa.int32())),
+                        ("box", pa.struct([("x", pa.float32()), ("y", pa.float32())])), ("image", pa.binary()),
+                        ("score", pa.float64())])
+    batches = [pa.table({"doc_id": ["a", "b"], "cited_pages": [[0, 2], None], "box": [{"x": 1.5, "y": 2.0}, None],
+                         "image": [b"\x00\xffpng", None], "score": [0.25, None]}, schema=schema),
+               pa.table({"doc_id": ["c, \"quoted\"\nline"], "cited_pages": [[]], "box": [{"x": 0.0, "y": -1.0}],
+                         "image": [b""], "score": [1.0]}, schema=schema)]
+    for fmt in ("csv", "jsonl"):
+        writer = open_writer(tmp_path / f"out.{fmt}", schema)
+        for batch in batches:  # streamed, batch by batch
+            writer.write_table(batch)
+        writer.close()
+    with (tmp_path / "out.csv").open(newline="") as f:
+        cells = list(csv.DictReader(f))
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [c["doc_id"] for c in cells] == [r["doc_id"] for r in lines] == ["a", "b", 'c, "quoted"\nline']
+    assert json.loads(cells[0]["cited_pages"]) == lines[0]["cited_pages"] == [0, 2]
+    assert json.loads(cells[0]["box"]) == lines[0]["box"] == {"x": 1.5, "y": 2.0}
+    assert base64.b64decode(cells[0]["image"]) == base64.b64decode(lines[0]["image"]) == b"\x00\xffpng"
+    assert cells[1]["cited_pages"] == "" and lines[1]["cited_pages"] is None and lines[1]["image"] is None
+    assert json.loads(cells[2]["cited_pages"]) == lines[2]["cited_pages"] == []
+    assert float(cells[0]["score"]) == lines[0]["score"] == 0.25
+    with pytest.raises(ValueError, match=r"\.csv or \.jsonl"):
+        open_writer(tmp_path / "out.xlsx", schema)
 
 
 def test_version_and_short_help() -> None:
