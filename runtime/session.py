@@ -183,10 +183,8 @@ class Session:
         self.document_prefill_s = 0.0
         self._charge_prefill = False
         self._writer: Any = None  # runtime.kv.background.ArchiveWriter, made on the first layer-major prefill on CUDA
-        #: ``kv.questions: together``: the questions read for the current tiers, by suffix ids, and the seconds of
-        #: their shared re-tier (``read_questions``)
+        #: ``kv.questions: together``: the questions read for the current tiers (``read_questions``), by suffix ids
         self._reads: dict[tuple[int, ...], Any] = {}
-        self._shared_retier_s = 0.0
         self.pruning = PruningConfig.model_validate(pruning) if isinstance(pruning, dict) else pruning
         self.pruner: Pruner | None = None
         if self.pruning is not None:
@@ -285,10 +283,7 @@ class Session:
 
         suffixes = list(dict.fromkeys(tuple(self.prompt.suffix(q)) for q in questions))
         crop_cache(self.cache, self.prefix_length)
-        started = time.perf_counter()
-        reads = read_questions(self.model, self.cache, suffixes)
-        self._shared_retier_s = time.perf_counter() - started - sum(r.read_s for r in reads)
-        self._reads = {r.ids: r for r in reads}
+        self._reads = {r.ids: r for r in read_questions(self.model, self.cache, suffixes)}
 
     @torch.inference_mode()
     def ask(self, question: str, max_new_tokens: int = 128, *, safe_mode: bool | None = None,
@@ -334,7 +329,7 @@ class Session:
             read = self._reads[tuple(suffix)]
             self.cache.append_read(read)
             first = read.logits
-            started -= read.read_s + self._shared_retier_s  # its read and the shared re-tier came before
+            started -= read.read_s  # the pass that read it (with the others) and re-tiered came before
         elif kv is not None and kv.question == "exact":
             first = read_question(self.model, self.cache, question_ids)
         elif tiered:

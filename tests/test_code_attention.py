@@ -66,6 +66,78 @@ def test_code_attention_bf16_tiers_and_no_association() -> None:
         torch.testing.assert_close(ca.code_attention(q, core_k, core_v, 40, a, 0.125), ref, rtol=1e-4, atol=1e-4)
 
 
+def _folded_attention(q, core_k, core_v, n_core, assoc, scale) -> torch.Tensor:
+    """The folded computation every width took before the 8-bit chunked path (scales in the query and weights,
+    hidden positions masked), kept in ``association_scores``/``association_values`` for the narrower codes."""
+    b, hq, d = q.shape
+    h = core_k.shape[1]
+    qg = q.float().view(b, h, hq // h, d) * scale
+    codes = ca.association_scores(qg, assoc)
+    if assoc.hidden is not None:
+        codes.masked_fill_(assoc.hidden.unsqueeze(2), float("-inf"))
+    p = torch.cat([codes, qg @ core_k[:, :, :n_core].float().transpose(-1, -2)], dim=-1).softmax(-1)
+    out = p[..., assoc.length:] @ core_v[:, :, :n_core].float() + ca.association_values(p[..., :assoc.length], assoc)
+    return out.view(b, hq, d)
+
+
+def _masked_reference(q, core_k, core_v, n_core, assoc, scale) -> torch.Tensor:
+    """Dequantise, give the hidden positions no weight, attend: by hand."""
+    b, hq, d = q.shape
+    h = core_k.shape[1]
+    ak, av = assoc.dequantize(torch.float32)
+    qg = q.float().view(b, h, hq // h, d) * scale
+    codes = (qg @ ak.transpose(-1, -2)).masked_fill(assoc.hidden.unsqueeze(2), float("-inf"))
+    p = torch.cat([codes, qg @ core_k[:, :, :n_core].transpose(-1, -2)], dim=-1).softmax(-1)
+    return (p @ torch.cat([av, core_v[:, :, :n_core]], dim=2)).view(b, hq, d)
+
+
+@pytest.mark.parametrize("rows", [32, 96, 4096])  # a chunk per key group, chunks ending inside the tier, one chunk
+@pytest.mark.parametrize("key_bits,value_bits", [(8, 8), (8, 4), (4, 8)])
+def test_chunked_8bit_path_equals_the_folded_one_with_hidden_positions(monkeypatch, rows, key_bits, value_bits):
+    """The 8-bit chunked reads (``_scores_8bit``/``_values_8bit``) against the folded computation and the masked
+    reference, on fixed codes: two batch rows, heads hiding different positions, whole key groups hidden (the first
+    and one in the middle), a partial last group (200 = 6 x 32 + 8) whose real rows are all hidden in one head, and
+    value groups of 32 channels (two per head)."""
+    monkeypatch.setattr(ca, "_chunk_rows", lambda b, h, d, group: rows)
+    g = torch.Generator().manual_seed(5)
+    b, h, r, d, n, n_core = 2, 3, 3, 64, 200, 41
+    k = torch.randn(b, h, n, d, generator=g) * torch.linspace(0.1, 4, d) + torch.randn(d, generator=g)
+    v = torch.randn(b, h, n, d, generator=g)
+    assoc = AssociationStore.build(k, v, value_bits, 32, key_bits=key_bits)
+    hidden = torch.rand(b, h, n, generator=g) < 0.1
+    hidden[:, :, :32] = True  # a whole group, every head
+    hidden[0, 1, 96:128] = True  # a whole group in the middle, one head
+    hidden[1, 2, 192:] = True  # the real rows of the partial last group, one head
+    assoc.hidden = hidden
+    core_k = torch.randn(b, h, n_core + 5, d, generator=g)
+    core_v = torch.randn(b, h, n_core + 5, d, generator=g)
+    q = torch.randn(b, h * r, d, generator=g) * 2
+    got = ca.code_attention(q, core_k, core_v, n_core, assoc, d ** -0.5)
+    tol = 1e-5 if key_bits == value_bits == 8 else 1e-4
+    torch.testing.assert_close(got, _folded_attention(q, core_k, core_v, n_core, assoc, d ** -0.5), rtol=tol, atol=tol)
+    torch.testing.assert_close(got, _masked_reference(q, core_k, core_v, n_core, assoc, d ** -0.5), rtol=tol, atol=tol)
+
+
+def test_chunked_8bit_path_reads_a_cut_store(monkeypatch) -> None:
+    """After a rollback cut the store (``TieredLayer._truncate_assoc``: lengths lowered, key codes left padded past
+    them, value codes sliced), the chunked path reads only the rows left."""
+    monkeypatch.setattr(ca, "_chunk_rows", lambda b, h, d, group: 64)
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(1, 2, 150, 32, generator=g), torch.randn(1, 2, 150, 32, generator=g)
+    assoc = AssociationStore.build(k, v, 8, 32)
+    assoc.hidden = torch.rand(1, 2, 150, generator=g) < 0.2
+    rows = 77  # inside the third key group
+    assoc.keys.length = assoc.values.length = rows
+    assoc.values.codes, assoc.values.scale, assoc.values.zero = (assoc.values.codes[:, :, :rows],
+                                                                 assoc.values.scale[:, :, :rows],
+                                                                 assoc.values.zero[:, :, :rows])
+    assoc.hidden = assoc.hidden[:, :, :rows]
+    core_k, core_v = torch.randn(1, 2, 9, 32, generator=g), torch.randn(1, 2, 9, 32, generator=g)
+    q = torch.randn(1, 4, 32, generator=g)
+    got = ca.code_attention(q, core_k, core_v, 9, assoc, 0.2)
+    torch.testing.assert_close(got, _masked_reference(q, core_k, core_v, 9, assoc, 0.2), rtol=1e-5, atol=1e-5)
+
+
 def test_supports_refuses_the_differential_encoding() -> None:
     k = torch.randn(1, 1, 40, 64)
     assert ca.supports(AssociationStore.build(k, k, 4, 32)) and ca.supports(None)

@@ -54,6 +54,33 @@ def test_every_question_is_read_exactly_and_the_document_re_tiers_once() -> None
         assert torch.equal(cache.membership(0), tiers)
 
 
+def test_the_shared_re_tier_ranks_by_every_questions_own_queries(monkeypatch) -> None:
+    """Each layer re-tiers from each question's last ``query_tokens`` queries, as its own read records them, even
+    when the questions together are longer than ``query_tokens`` (the pass records all of them, then picks)."""
+    from docfuse.runtime.kv import record_queries
+
+    model = tiny()
+    document = doc(500, 1, 1)
+    questions = [doc(n, 1, seed)[0].tolist() for n, seed in ((30, 2), (8, 3), (20, 4))]  # 58 tokens > 24
+    expected = []
+    for question in questions:
+        cache = token_major(model, document, TOGETHER)
+        with torch.no_grad(), cache.exact_view(), record_queries(model, cache, tokens=len(question)):
+            forward(model, cache, torch.tensor([question]))
+        expected.append(cache.take_queries())
+    cache = token_major(model, document, TOGETHER)
+    seen = {}
+    retier_layer = cache.retier_layer
+    monkeypatch.setattr(cache, "retier_layer", lambda i, q, keep_from=None: (seen.__setitem__(i, q),
+                                                                             retier_layer(i, q, keep_from))[1])
+    read_questions(model, cache, questions)
+    assert sorted(seen) == [0, 1, 2]
+    for i, got in seen.items():
+        want = torch.cat([e[i][:, :, -24:] for e in expected], dim=2)
+        assert got.shape[2] == 24 + 8 + 20
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_question_after_the_shared_re_tier_decodes_as_if_it_had_just_been_read() -> None:
     """append_read puts back exactly what the question's read left in the core: its answer then equals the answer of
     the same question read over the same tiers (the tiers are not re-chosen in between)."""

@@ -129,10 +129,9 @@ class _Open:
     prefix: int
     prefill_s: float
     next_question: int = 0
-    #: ``kv.questions: together``: every question's exact read, the seconds of the shared re-tier, and the shared
+    #: ``kv.questions: together``: every question's exact read (one pass, which also re-tiered), and the shared
     #: tiers' pages once the first stream needs them
     reads: list[QuestionRead] | None = None
-    retier_s: float = 0.0
     shared: SharedTiers | None = None
 
 
@@ -206,10 +205,13 @@ class Engine:
     def together(self) -> bool:
         return self.kv.questions == "together"
 
-    def shared_pages(self, prefix: int) -> tuple[int, int]:
-        """``kv.questions: together``: the pages of a document's shared tiers (the core's whole pages)."""
-        core, assoc = self.stream_tokens(prefix, 0)
-        return core // self.shape.page, pages_for(assoc, self.shape.page)
+    def shared_tokens(self, doc: Document) -> tuple[int, int]:
+        """``kv.questions: together``: core and association tokens of a document's shared tiers. They are chosen in
+        the pass that reads all its questions (``read_questions``), so at the length of the document plus every
+        question, with the questions in the core; the core then loses the questions when they are rolled back."""
+        asked = sum(len(q) for q in doc.questions)
+        core, assoc = self.stream_tokens(len(doc.prefix) + asked, asked)
+        return core - asked, assoc
 
     def start_pages(self, doc: Document, question: int, shared_loaded: bool = False) -> tuple[int, int]:
         """Pages that starting question ``question`` of ``doc`` takes from the pool now: its whole tiers, or with
@@ -217,12 +219,10 @@ class Engine:
         q = len(doc.questions[question])
         if not self.together:
             return self.stream_pages(len(doc.prefix), q, doc.max_new_tokens)
-        core, _ = self.stream_tokens(len(doc.prefix), 0)
-        own = pages_for(core % self.shape.page + q + doc.max_new_tokens, self.shape.page)
-        if shared_loaded:
-            return own, 0
-        shared = self.shared_pages(len(doc.prefix))
-        return shared[0] + own, shared[1]
+        core, assoc = self.shared_tokens(doc)
+        page = self.shape.page
+        own = pages_for(core % page + q + doc.max_new_tokens, page)
+        return (own, 0) if shared_loaded else (core // page + own, pages_for(assoc, page))
 
     def document_pages(self, doc: Document) -> tuple[int, int]:
         """Pages every question of ``doc`` holds when all of them are live at once."""
@@ -313,8 +313,8 @@ class Engine:
         metrics.reset_peak_memory(self.device)
         self.pool = pool = self._make_pool(docs)
         s = self.shape
-        # the largest page table a stream needs (with shared tiers, the same count: shared whole pages + its own)
-        widths = [self.stream_pages(len(d.prefix), len(q), d.max_new_tokens) for d in docs for q in d.questions]
+        # the largest page table a stream needs (with shared tiers: the shared whole pages and its own)
+        widths = [self.start_pages(d, j) for d in docs for j in range(len(d.questions))]
         core_width = max((w[0] for w in widths), default=1)
         assoc_width = max((w[1] for w in widths), default=1)
         self.steps = {}
@@ -438,11 +438,8 @@ class Engine:
             fill_cache(self.model, cache, list(doc.prefix), self.prefill_chunk, doc.embeds, layers=layers,
                        writer=self._writer)
             prefill_s = metrics.now(self.device) - t0
-            reads, retier_s = None, 0.0
-            if self.together:  # every question read exactly, then one re-tier for all of them
-                t1 = time.perf_counter()
-                reads = read_questions(self.model, cache, doc.questions)
-                retier_s = time.perf_counter() - t1 - sum(r.read_s for r in reads)
+            # kv.questions: together: every question read exactly in one pass that re-tiers for all of them
+            reads = read_questions(self.model, cache, doc.questions) if self.together else None
         except torch.OutOfMemoryError as exc:
             del cache
             torch.cuda.empty_cache()
@@ -450,7 +447,7 @@ class Engine:
                        f"prefilling {len(doc.prefix)} tokens ran out of device memory ({str(exc).splitlines()[0]}); "
                        "set kv.prefill: layers, lower answer.prefill_chunk, or truncate the document")
             return None
-        return _Open(index, cache, cache.get_seq_length(), prefill_s, reads=reads, retier_s=retier_s)
+        return _Open(index, cache, cache.get_seq_length(), prefill_s, reads=reads)
 
     def _start(self, opened: _Open, doc: Document, q: int, out: StreamOutput, started: float) -> _Stream | None:
         """Read question ``q`` of the open document, move its tiers into pages; ``None`` when it ends at once."""
@@ -488,8 +485,8 @@ class Engine:
         read, cache = opened.reads[q], opened.cache
         token = int(read.logits.argmax())
         now = time.perf_counter()
-        # its own read and the shared re-tier (and, for the first question, the document's prefill)
-        out.ttft_s = read.read_s + opened.retier_s + (opened.prefill_s if q == 0 else 0.0)
+        # the pass that read it with the others and re-tiered (and, for the first question, the document's prefill)
+        out.ttft_s = read.read_s + (opened.prefill_s if q == 0 else 0.0)
         out.first_token_at_s = now - started
         acc = cache.accounting()
         own = len(read) * sum(layer.token_bytes() for layer in cache.layers)  # its question, in the core
@@ -500,6 +497,10 @@ class Engine:
         if not self._take(stream, token, first=True):
             return None
         if opened.shared is None:
+            have, counted = (cache.layers[0].n_core, cache.layers[0].n_assoc), self.shared_tokens(doc)
+            if have[0] > counted[0] or have[1] > counted[1]:  # admission counted pages from shared_tokens
+                raise RuntimeError(f"the shared tiers hold {have} (core, association) tokens where {counted} were "
+                                   "counted: shared_tokens no longer follows read_questions' re-tier")
             opened.shared = self.pool.load_shared(cache)
         stream.pages = self.pool.attach(opened.shared, cache, read, doc.max_new_tokens)
         return stream

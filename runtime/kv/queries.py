@@ -116,9 +116,10 @@ def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor
 
 @dataclass
 class QuestionRead:
-    """One question read exactly over the document before a shared re-tier (``kv.questions: together``): the first
-    answer token's logits, each layer's K/V of the question's own tokens (put back behind the shared tiers by
-    ``TieredCache.append_read`` when its answer starts) and the seconds its read took."""
+    """One question read exactly over the document with the others (``kv.questions: together``): the first answer
+    token's logits, each layer's K/V of the question's own tokens (put back behind the shared tiers by
+    ``TieredCache.append_read`` when its answer starts) and the seconds of the pass that read them all and re-tiered
+    (when its first token existed)."""
 
     ids: tuple[int, ...]
     logits: torch.Tensor
@@ -149,13 +150,15 @@ def question_mask(prefix: int, lengths: Sequence[int], device: torch.device | st
 
 
 def read_questions(model: torch.nn.Module, cache: Any, questions: Sequence[Sequence[int]]) -> list[QuestionRead]:
-    """Read every question exactly over the document (as :func:`read_question` reads one), in one pass, keep each
-    one's first-token logits and its own K/V, roll them back, then re-tier the document once from all their queries.
+    """Read every question exactly over the document (as :func:`read_question` reads one) in one pass, re-tier the
+    document once for all of them inside that pass, keep each one's first-token logits and its own K/V, and roll
+    the questions back: the cache then holds the document, tiered for every question.
 
     The questions go through the model end to end, each at the positions it would have alone and masked from the
-    others (:func:`question_mask`), so each one's logits, K/V and queries are those of its own exact read, and the
-    document's archive is read once for all of them. The answers' later tokens read tiers chosen for all the
-    questions at once (``kv.questions: together``)."""
+    others (:func:`question_mask`), so each one's logits, K/V and queries are those of its own exact read; each layer
+    re-tiers from every question's last ``query_tokens`` queries as soon as it has read (one read of the archive for
+    the whole document, as for one question). The answers' later tokens read tiers chosen for all the questions at
+    once (``kv.questions: together``)."""
     started = time.perf_counter()
     prefix = cache.get_seq_length()
     device = next(model.parameters()).device
@@ -168,27 +171,26 @@ def read_questions(model: torch.nn.Module, cache: Any, questions: Sequence[Seque
     positions = torch.cat([torch.arange(prefix, prefix + n) for n in lengths]).to(device).unsqueeze(0)
     eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
     mask = question_mask(prefix, lengths, device, model.dtype if eager else None)
-    kwargs = {cache_kwarg(model): cache}
-    with torch.no_grad(), cache.exact_view(), record_queries(model, cache, tokens=total):
-        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
-    ends = torch.tensor(lengths).cumsum(0)
-    logits = out.logits[0, (ends - 1).to(out.logits.device)]
-    recorded = cache.take_queries()
+    ends = torch.tensor(lengths).cumsum(0).tolist()
     limit = cache.kv.query_tokens
-    merged: list[torch.Tensor | None] = []
-    own: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for layer, taken in zip(cache.layers, recorded):
-        own.append((layer.keys[:, :, layer.n_core - total: layer.n_core].clone(),
-                    layer.values[:, :, layer.n_core - total: layer.n_core].clone()))
-        # each question's last ``query_tokens`` queries, as its own read would have recorded them
-        merged.append(None if taken is None else torch.cat(
-            [taken[:, :, max(int(e) - n, int(e) - limit): int(e)] for e, n in zip(ends, lengths)], dim=2))
+
+    def own_queries(queries: torch.Tensor) -> torch.Tensor:  # each question's last ``query_tokens`` queries
+        return torch.cat([queries[:, :, max(e - n, e - limit): e] for e, n in zip(ends, lengths)], dim=2)
+
+    kwargs = {cache_kwarg(model): cache}
+    cache.record_limit = total
+    try:
+        with torch.no_grad(), cache.exact_view(retier_from=prefix, select_queries=own_queries), \
+                record_queries(model, cache, tokens=total):
+            out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+    finally:
+        cache.record_limit = None
+    logits = out.logits[0, torch.tensor(ends, device=out.logits.device) - 1]
+    # the questions' tokens are the newest positions, so the core's last ``total`` rows, in order
+    own = [(layer.keys[:, :, layer.n_core - total: layer.n_core].clone(),
+            layer.values[:, :, layer.n_core - total: layer.n_core].clone()) for layer in cache.layers]
     cache.rollback(prefix)
     logits.max().item()  # the pass is done when its time is taken
-    read_s = (time.perf_counter() - started) / len(asked)
-    reads = []
-    for j, (q, n, e) in enumerate(zip(asked, lengths, ends.tolist())):
-        reads.append(QuestionRead(q, logits[j], [k[:, :, e - n: e] for k, _ in own],
-                                  [v[:, :, e - n: e] for _, v in own], read_s))
-    cache.retier(queries=merged)
-    return reads
+    read_s = time.perf_counter() - started
+    return [QuestionRead(q, logits[j], [k[:, :, e - n: e] for k, _ in own], [v[:, :, e - n: e] for _, v in own],
+                         read_s) for j, (q, n, e) in enumerate(zip(asked, lengths, ends))]

@@ -55,6 +55,11 @@ class TieredCache(Cache):
         self.pinned_budgets: tuple[int, int] | None = None
         self._retier_from: int | None = None  # set by exact_view(retier_from=...): re-tier each layer as it reads
         self._retiered_layers = 0
+        #: set by exact_view(select_queries=...): picks, from a pass's recorded queries, those that rank the tiers
+        self._select_queries: Any = None
+        #: queries each layer keeps while recording (``None``: ``kv.query_tokens``); a pass of several questions
+        #: keeps all of its tokens' and picks each question's own
+        self.record_limit: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,8 +70,11 @@ class TieredCache(Cache):
             # it now from that read and the question's queries at this layer, instead of reading the archive again
             # after the pass. The attention of this pass uses ``out``, which the re-tier leaves alone.
             layer = self.layers[layer_idx]
+            queries = layer.take_queries()
+            if self._select_queries is not None and queries is not None:
+                queries = self._select_queries(queries)
             with layer.serving(*out):
-                self.retier_layer(layer_idx, layer.take_queries(), self._retier_from)
+                self.retier_layer(layer_idx, queries, self._retier_from)
             self._retiered_layers += 1
         if layer_idx == len(self.layers) - 1:
             self.peak_device = max(self.peak_device, self.device_bytes())
@@ -87,23 +95,25 @@ class TieredCache(Cache):
 
     def record_query(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Called by :func:`runtime.kv.queries.record_queries` for each layer of each recorded forward."""
-        self.layers[layer_idx].record_query(queries, positions, self.kv.query_tokens)
+        self.layers[layer_idx].record_query(queries, positions, self.record_limit or self.kv.query_tokens)
 
     def take_queries(self) -> list[torch.Tensor | None]:
         """Recorded queries per layer, removed from the cache."""
         return [layer.take_queries() for layer in self.layers]
 
     @contextmanager
-    def exact_view(self, retier_from: int | None = None) -> Iterator[None]:
+    def exact_view(self, retier_from: int | None = None, select_queries: Any = None) -> Iterator[None]:
         """While active, attention reads every cached position at full precision (one layer at a time, read back
         from the archive): a question read this way has the full cache's hidden states, queries and first token.
 
         ``retier_from``: also re-tier each layer for the pass's queries as soon as it has read, keeping positions
         from ``retier_from`` on in the core; one archive read per layer serves the question and its re-tier (the
-        pass must record queries: ``runtime.kv.queries.record_queries``)."""
+        pass must record queries: ``runtime.kv.queries.record_queries``). ``select_queries``: maps a layer's recorded
+        queries [B, Hq, M, D] to those the re-tier ranks by (several questions read in one pass: each one's own)."""
         for layer in self.layers:
             layer.exact_reads = True
         self._retier_from, self._retiered_layers = retier_from, 0
+        self._select_queries = select_queries
         try:
             yield
         finally:
@@ -111,7 +121,7 @@ class TieredCache(Cache):
                 layer.exact_reads = False
             if self._retier_from is not None and self._retiered_layers:
                 self._retiered()
-            self._retier_from = None
+            self._retier_from = self._select_queries = None
 
     # ---- tiering -------------------------------------------------------------------------------------------------
     def budgets(self, length: int | None = None) -> tuple[int, int]:
