@@ -275,8 +275,13 @@ def reading_order(blocks: list[Block], min_gutter: float = MIN_GUTTER) -> list[B
         return not (gutters(band, min_gutter) or gutters(strip, min_gutter))
 
     bands: list[list[Block]] = []
+    panels: list[bool] = []  # per band: whether a row of side-by-side headings opened it (a form's boxes)
     for i, strip in enumerate(strips):
-        if bands and joins(bands[-1], strip) and not _heading_row(strip):
+        # under a band of panels, a heading below the end of every panel starts what follows them (a form's next
+        # box), not more of the left panel
+        after_panels = bool(panels) and panels[-1] and strip[0].kind == "heading" and \
+            min(b.y0 for b in strip) >= max(b.y1 for b in bands[-1]) - 2.0
+        if bands and joins(bands[-1], strip) and not _heading_row(strip) and not after_panels:
             nxt = strips[i + 1] if i + 1 < len(strips) else None
             # A heading under a multi-column band belongs to what follows it: if that is full-width, the
             # heading opens the next section rather than continuing the column it happens to sit under.
@@ -286,6 +291,7 @@ def reading_order(blocks: list[Block], min_gutter: float = MIN_GUTTER) -> list[B
                 bands[-1] = bands[-1] + strip
                 continue
         bands.append(list(strip))
+        panels.append(_heading_row(strip))
     ordered: list[Block] = []
     for band in bands:
         bounds = [(g0 + g1) / 2 for g0, g1 in gutters(band, min_gutter)]

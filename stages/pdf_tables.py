@@ -258,7 +258,9 @@ def _table_from_run(run: list[_Row]) -> PageTable | None:
     if sum(len(c) for c in filled) / len(filled) > MAX_WORDS_PER_CELL:
         return None
     texts = [[_join(ws) for ws in row] for row in rows_words]
-    if _reads_as_prose([t for row in texts[1:] for t in row if t]) or _is_form(texts):
+    widest = max(range(len(gaps)), key=lambda i: gaps[i][1] - gaps[i][0])
+    if _reads_as_prose([t for row in texts[1:] for t in row if t]) or _is_form(texts) \
+            or _drifting(rows_words, widest + 1):
         return None
     return PageTable(bbox=bbox_of([w for w, _ in claimed]), rows=texts, words=claimed, ruled=False)
 
@@ -271,6 +273,28 @@ def _is_form(rows: list[list[str]]) -> bool:
         if len(cells) >= 2 and sum(t.endswith(":") for t in cells) >= 0.8 * len(cells):
             return True
     return False
+
+
+def _drifting(rows_words: list[list[list[Word]]], split: int) -> bool:
+    """Two lists side by side (a form's panels, each with its own line pitch) rather than a table: the cells of a
+    table's row share a baseline; here the baselines left and right of the widest gutter (columns before and from
+    ``split``) move apart row after row, by over a seventh of a line in the end."""
+    def baseline(cells: list[list[Word]]) -> float | None:
+        ys = sorted(w.y1 for cell in cells for w in cell)
+        return ys[len(ys) // 2] if ys else None
+
+    offsets, sizes = [], []
+    for row in rows_words:
+        left, right = baseline(row[:split]), baseline(row[split:])
+        if left is not None and right is not None:
+            offsets.append(left - right)
+            sizes.extend(w.y1 - w.y0 for cell in row for w in cell)
+    if len(offsets) < MIN_ROWS:
+        return False
+    size = sorted(sizes)[len(sizes) // 2]
+    steps = [b - a for a, b in zip(offsets, offsets[1:])]
+    one_way = all(d > 0.02 * size for d in steps) or all(d < -0.02 * size for d in steps)
+    return one_way and abs(offsets[-1] - offsets[0]) > 0.15 * size
 
 
 def _reads_as_prose(cells: list[str]) -> bool:
