@@ -333,7 +333,8 @@ def summarise(cases: list[dict], answers: dict[str, list[dict]], half: str) -> d
     out: dict[str, Any] = {}
     for name, rows in answers.items():
         # a float32 config is held against the float32 full cache: the dtype changes answers on its own
-        reference = "full-fp32" if name.endswith("-fp32") and "full-fp32" in answers else "full"
+        fp32 = name.endswith("-fp32") or EXTRA.get(name, {}).get("dtype") == "float32"
+        reference = "full-fp32" if fp32 and "full-fp32" in answers else "full"
         full = {(r["case"], r["index"]): r for r in answers[reference] if r["half"] == half}
         rows = [r for r in rows if r["half"] == half and (r["case"], r["index"]) in full]
         if not rows:
