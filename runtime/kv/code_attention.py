@@ -15,15 +15,6 @@ The packed bytes are not unpacked either. A byte ``b`` holds ``8 // bits`` codes
 sum of codes is a weighted sum of planes with weights ``w_k - 2**bits * w_{k-1}``. Each plane is one shift and one
 float conversion, no mask, no interleave.
 
-8-bit codes (the default) take another route, measured faster on the CPU (issue 29: one decode step's attention at
-7.3K tokens, 30 layers, about 1.5-2.5x; bench/experiments/ab_code_attention.py): a byte is one code, so there is
-nothing to unpack, and the folded keys above cost one tiny matmul per key group, which a CPU's BLAS runs far below
-its speed. Instead the tier is read a chunk of rows at a time (``CHUNK_BYTES`` of float32 a thread): the chunk's
-codes are converted into a scratch buffer, keys dequantised there in place (``z + s * code``), and one matmul per
-chunk reads the buffer back while it is still in cache; values keep their scales in the weights, one matmul of all
-channel groups' weight rows per chunk. No float copy of the tier is written to memory and read back, and the
-scratch is the same ~1 MB whatever the document's length.
-
 The maths is float32 end to end; it equals the dequantise-then-attend reference to float32 rounding (tests: 1e-4,
 1e-3 at 2 bits, where the unmasked planes reach 255 before the shifts cancel). The
 differential encoding (per-page anchors) is not folded: those tiers take the dequantising path.
@@ -40,7 +31,6 @@ import torch
 
 from docfuse.runtime.citations import record_forward
 from docfuse.runtime.kv.association import AssociationStore
-from docfuse.runtime.kv.quant import Quantized
 
 
 def supports(assoc: AssociationStore | None) -> bool:
@@ -106,71 +96,9 @@ def association_values(p: torch.Tensor, assoc: AssociationStore) -> torch.Tensor
     return sums.permute(0, 1, 3, 2, 4).reshape(b, h, r, d)
 
 
-#: Bytes of float32 scratch per thread that one chunk of the 8-bit path converts at a time (:func:`_chunk_rows`):
-#: small enough that the chunk is still in the core's cache when the matmul reads it back (the 2-core dev machine's
-#: cores have 2 MB of L2 each; 1 MB a thread measured best, bench/experiments/ab_code_attention.py).
-CHUNK_BYTES = 1 << 20
-
-
-def _chunk_rows(b: int, h: int, d: int, group: int) -> int:
-    """Association rows per chunk of the 8-bit path: ``CHUNK_BYTES`` of float32 a thread over every batch row and
-    head, a whole number of key groups."""
-    return max(group, CHUNK_BYTES * torch.get_num_threads() // (4 * b * h * d) // group * group)
-
-
-def _scores_8bit(qg: torch.Tensor, keys: Quantized, out: torch.Tensor, buf: torch.Tensor) -> None:
-    """Scaled scores of ``qg`` [B, H, r, D] over 8-bit keys, written into ``out`` [B, H, r, n], a chunk at a time.
-
-    A chunk of codes is converted into ``buf`` [B, H, rows, D] and dequantised there in place (``z + s * code``
-    with its key groups' scales and zeros, as ``Quantized.dequantize`` does), then one matmul reads it back from
-    cache: no float copy of the whole tier is written to memory and read again. (Folding the scales into the query,
-    as the packed widths do, costs one tiny matmul per key group: slower on a CPU than this pass.)"""
-    b, h, r, d = qg.shape
-    n, g = keys.length, keys.group
-    rows = buf.shape[2]
-    groups = -(-n // g)
-    scale = keys.scale[:, :, :groups].float()  # [B, H, G, 1, D]
-    zero = keys.zero[:, :, :groups].float()
-    for start in range(0, n, rows):
-        stop = min(start + rows, groups * g)  # whole groups: the codes are padded to a multiple of the group
-        chunk = buf[:, :, : stop - start]
-        chunk.copy_(keys.codes[:, :, start:stop])
-        grouped = chunk.view(b, h, (stop - start) // g, g, d)
-        torch.addcmul(zero[:, :, start // g: stop // g], grouped, scale[:, :, start // g: stop // g], out=grouped)
-        end = min(stop, n)  # the padding rows of the last group take no score
-        torch.matmul(qg, chunk[:, :, : end - start].transpose(-1, -2), out=out[..., start:end])
-
-
-def _values_8bit(p: torch.Tensor, values: Quantized, buf: torch.Tensor) -> torch.Tensor:
-    """``sum_t p[t] * v[t]`` [B, H, r, D] for weights ``p`` [B, H, r, n] over 8-bit values, a chunk at a time.
-
-    Values are quantised per token over ``CG`` groups of channels: each channel group's scales go into a copy of
-    the weights (``p[t] * s[t, cg]``), the ``CG * r`` weight rows take one matmul per chunk of converted codes (each
-    row block keeps its own group's channels; a product over a long axis, which a CPU's matmul does far faster than
-    ``CG`` narrow ones), and the zero points one small matmul of ``p``."""
-    b, h, r, n = p.shape
-    d, vg = values.codes.shape[-1], values.group
-    cg = d // vg
-    rows = buf.shape[2]
-    scale = p.new_empty(b, h, cg, 1, n).copy_(values.scale[:, :, :n, :, 0].transpose(2, 3).unsqueeze(3))
-    weights = (p.unsqueeze(2) * scale).view(b * h, cg * r, n)  # [B, H, CG, r, n]
-    sums = p.new_zeros(b * h, cg * r, d)
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        chunk = buf[:, :, : stop - start]
-        chunk.copy_(values.codes[:, :, start:stop])
-        sums.baddbmm_(weights[:, :, start:stop], chunk.view(b * h, stop - start, d))
-    own = sums.view(b, h, cg, r, cg, vg).diagonal(dim1=2, dim2=4).permute(0, 1, 2, 4, 3)  # [B, H, r, CG, vg]
-    zero = torch.matmul(p, values.zero[:, :, :n, :, 0].float())  # [B, H, r, CG]
-    return (own + zero.unsqueeze(-1)).reshape(b, h, r, d)
-
-
 def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, n_core: int,
                    assoc: AssociationStore | None, scale: float) -> torch.Tensor:
     """Attention of one query token per head over ``[association codes, core[:n_core]]``, float32.
-
-    8-bit keys and values take the chunked paths (:func:`_scores_8bit`, :func:`_values_8bit`); narrower codes are
-    read as packed planes (:func:`association_scores`, :func:`association_values`).
 
     Args:
         q: ``[B, Hq, D]`` queries (post-RoPE); ``Hq`` a multiple of the KV heads (GQA).
@@ -183,25 +111,16 @@ def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, 
     h = core_k.shape[1]
     r = hq // h
     qg = q.float().view(b, h, r, d) * scale
+    scores = torch.matmul(qg, core_k[:, :, :n_core].float().transpose(-1, -2))  # [B, H, r, n_core]
     n_assoc = assoc.length if assoc is not None else 0
-    keys8 = n_assoc > 0 and assoc.keys.bits == 8
-    values8 = n_assoc > 0 and assoc.values.bits == 8
-    # float32 scratch for one chunk of 8-bit codes (keys, then values)
-    buf = qg.new_empty(b, h, _chunk_rows(b, h, d, assoc.keys.group), d) if keys8 or values8 else None
-    scores = qg.new_empty(b, h, r, n_assoc + n_core)  # [association | core]: one softmax over both
-    torch.matmul(qg, core_k[:, :, :n_core].float().transpose(-1, -2), out=scores[..., n_assoc:])
     if n_assoc:
-        if keys8:
-            _scores_8bit(qg, assoc.keys, scores[..., :n_assoc], buf)
-        else:
-            scores[..., :n_assoc] = association_scores(qg, assoc)
+        codes = association_scores(qg, assoc)
         if assoc.hidden is not None:  # fixed codes: positions the core holds exactly take no weight here
-            scores[..., :n_assoc].masked_fill_(assoc.hidden.unsqueeze(2), float("-inf"))
+            codes.masked_fill_(assoc.hidden.unsqueeze(2), float("-inf"))
+        scores = torch.cat([codes, scores], dim=-1)
     p = scores.softmax(dim=-1)
     out = torch.matmul(p[..., n_assoc:], core_v[:, :, :n_core].float())
-    if values8:
-        out += _values_8bit(p[..., :n_assoc], assoc.values, buf)
-    elif n_assoc:
+    if n_assoc:
         out += association_values(p[..., :n_assoc], assoc)
     return out.view(b, hq, d)
 
