@@ -29,6 +29,7 @@ Not yet here (they fall back to ``Session``, see :func:`engine_unsupported`): de
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,6 +39,8 @@ from typing import Any, Literal
 import torch
 
 from docfuse.runtime import metrics
+
+log = logging.getLogger("docfuse.engine")
 from docfuse.runtime.engine.pool import PagePool, PoolShape, SharedTiers, StreamPages, pages_for
 from docfuse.runtime.engine.step import BatchStep, step_supported
 from docfuse.runtime.kv import (KVConfig, QuestionRead, TieredCache, as_kv_config, prepare_question, read_question,
@@ -447,6 +450,8 @@ class Engine:
                        f"prefilling {len(doc.prefix)} tokens ran out of device memory ({str(exc).splitlines()[0]}); "
                        "set kv.prefill: layers, lower answer.prefill_chunk, or truncate the document")
             return None
+        log.info("document %d: %d tokens prefilled in %.1f s%s", index, len(doc.prefix), prefill_s,
+                 f", {len(reads)} questions read in {reads[0].read_s:.1f} s" if reads else "")
         return _Open(index, cache, cache.get_seq_length(), prefill_s, reads=reads)
 
     def _start(self, opened: _Open, doc: Document, q: int, out: StreamOutput, started: float) -> _Stream | None:
