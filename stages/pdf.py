@@ -288,7 +288,9 @@ class PdfText(Stage):
     def _layout(self, extracted: list) -> list[dict]:
         """Lay the pages out with the document's font sizes (OCR results collected first, waiting where needed)."""
         extracted = [self._collect(i, *e) if isinstance(e, tuple) else e for i, e in enumerate(extracted)]
-        style = doc_style([e.content for e in extracted if isinstance(e, _Extracted) and e.content.usable])
+        # a page past the work budget is not laid out: its thousands of words would only slow the style's count
+        style = doc_style([e.content for e in extracted
+                           if isinstance(e, _Extracted) and e.content.usable and e.plain is None])
         rows = []
         for number, item in enumerate(extracted):
             if isinstance(item, str):  # an error value already (OCR)
@@ -351,8 +353,11 @@ class _Extracted:
 
 
 def _plain_text(page: pymupdf.Page) -> str:
-    """PyMuPDF's own reading order (``sort=True``), with each line's runs of spaces collapsed and blank lines out."""
-    lines = (" ".join(line.split()) for line in page.get_text(sort=True).splitlines())
+    """PyMuPDF's own reading order: its text blocks sorted top to bottom, then left to right (``sort=True`` on
+    blocks), each line's runs of spaces collapsed and blank lines out. Sorting whole blocks is linear in practice;
+    ``get_text(sort=True)`` regroups every line in Python and takes 0.7 s on a page of 20,000 spans."""
+    blocks = page.get_text("blocks", sort=True)
+    lines = (" ".join(line.split()) for b in blocks if b[6] == 0 for line in b[4].splitlines())
     return "\n".join(line for line in lines if line)
 
 

@@ -216,30 +216,36 @@ def unruled_tables(words: list[Word]) -> list[PageTable]:
     rows = [r for r in _rows(words) if r.words]
     tables: list[PageTable] = []
     run: list[_Row] = []
+    above: _Row | None = None  # the row just above the run
 
     def close() -> None:
         if len(run) >= MIN_ROWS:
-            table = _table_from_run(run)
+            table = _table_from_run(run, above)
             if table is not None:
                 tables.append(table)
 
+    previous: _Row | None = None
     for row in rows:
         if len(row.cells) < 2:
             close()
             run = []
+            previous = row
             continue
         if run:
             near = row.y0 - run[-1].y1 <= 1.5 * (run[-1].y1 - run[-1].y0)
             if near and len(_run_gaps(run + [row])) >= MIN_COLS - 1:
                 run.append(row)
+                previous = row
                 continue
             close()
         run = [row] if len(row.cells) >= MIN_COLS else []
+        above = previous
+        previous = row
     close()
     return tables
 
 
-def _table_from_run(run: list[_Row]) -> PageTable | None:
+def _table_from_run(run: list[_Row], above: _Row | None = None) -> PageTable | None:
     gaps = _run_gaps(run)
     bounds = [(g0 + g1) / 2 for g0, g1 in gaps]
     n_cols = len(bounds) + 1
@@ -260,7 +266,7 @@ def _table_from_run(run: list[_Row]) -> PageTable | None:
     texts = [[_join(ws) for ws in row] for row in rows_words]
     widest = max(range(len(gaps)), key=lambda i: gaps[i][1] - gaps[i][0])
     if _reads_as_prose([t for row in texts[1:] for t in row if t]) or _is_form(texts) \
-            or _drifting(rows_words, widest + 1):
+            or _drifting(rows_words, widest + 1) or _under_panel_titles(rows_words, above):
         return None
     return PageTable(bbox=bbox_of([w for w, _ in claimed]), rows=texts, words=claimed, ruled=False)
 
@@ -295,6 +301,27 @@ def _drifting(rows_words: list[list[list[Word]]], split: int) -> bool:
     steps = [b - a for a, b in zip(offsets, offsets[1:])]
     one_way = all(d > 0.02 * size for d in steps) or all(d < -0.02 * size for d in steps)
     return one_way and abs(offsets[-1] - offsets[0]) > 0.15 * size
+
+
+def _under_panel_titles(rows_words: list[list[list[Word]]], above: _Row | None) -> bool:
+    """Two panels side by side (a form's groups, each under its own title) rather than a table: the row just above
+    holds exactly two titles, bold or larger than the rows below, one flush with the first column and one flush with
+    a later column (where the second panel starts). A table's own header names every column; a spanning header is
+    centred over its columns, not set flush with them."""
+    if above is None or len(above.cells) != 2:
+        return False
+    body = [w for row in rows_words for cell in row for w in cell]
+    if not body:
+        return False
+    size = sorted(w.size for w in body)[len(body) // 2]
+    if above.y0 < min(w.y0 for w in body) - 4 * size:
+        return False
+    if not all(w.bold or w.size > 1.05 * size for w in above.words):
+        return False
+    starts = [min((w.x0 for row in rows_words for w in row[c]), default=None) for c in range(len(rows_words[0]))]
+    first, second = above.cells[0][0], above.cells[1][0]
+    return (starts[0] is not None and abs(first - starts[0]) <= size
+            and any(x is not None and abs(second - x) <= size for x in starts[1:]))
 
 
 def _reads_as_prose(cells: list[str]) -> bool:

@@ -266,3 +266,30 @@ def test_a_heading_below_two_panels_reads_after_both(tmp_path, colon: bool) -> N
     assert re.findall(r"#+ (.+)", text) == ["Applicant", "Employer", "Household"], text
     assert "|" not in text
     assert text.index("Date") < text.index("Employer")  # a panel's rows stay together
+
+
+def test_panels_at_one_pitch_under_their_own_titles_are_not_a_table(tmp_path) -> None:
+    """Two groups side by side at the same line pitch line up like a four-column table; their titles, bold and flush
+    with the first and third columns, say they are two panels. Each reads whole, one after the other."""
+    doc = pymupdf.open()
+    page = doc.new_page()
+    _panels(page, [("Applicant", 72, 100, 20.0), ("Employer", 320, 100, 20.0)], colon=False)
+    text = page_texts(_save(doc, tmp_path / "panels.pdf"))[0]["text"]
+    assert "|" not in text, text
+    assert re.findall(r"#+ (.+)", text) == ["Applicant", "Employer"], text
+    assert text.index("Date") < text.index("Employer")
+
+
+def test_a_table_under_a_bold_header_naming_every_column_stays_a_table(tmp_path) -> None:
+    """The panel rule must not take a real table: its bold header names all four columns."""
+    doc = pymupdf.open()
+    page = doc.new_page()
+    columns = (72, 200, 320, 440)
+    for x, name in zip(columns, ("Region", "Units", "Revenue", "Margin")):
+        page.insert_text((x, 100), name, fontsize=11, fontname="hebo")
+    for k, row in enumerate([("North", "1,204", "$8.1m", "12%"), ("South", "980", "$6.4m", "9%"),
+                             ("East", "1,530", "$9.9m", "14%"), ("West", "760", "$5.2m", "7%")]):
+        for x, value in zip(columns, row):
+            page.insert_text((x, 122 + 18 * k), value, fontsize=10)
+    text = page_texts(_save(doc, tmp_path / "table.pdf"))[0]["text"]
+    assert "| North | 1,204 | $8.1m | 12% |" in text, text

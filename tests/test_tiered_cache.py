@@ -741,3 +741,20 @@ def test_rollback_without_background_rebalances_heads(monkeypatch, fixed: bool) 
         assert tiers.shape[-1] == 200 and int((tiers == 2).sum()) == 0
         assert len(torch.unique((tiers == 0).sum(-1))) == 1
     assert torch.isfinite(run(model, cache, tokens[:, 200:201])).all()
+
+
+def test_archive_blocks_read_ahead_by_threads_come_back_in_order_and_exact() -> None:
+    """read_blocks unpacks host blocks in a thread pool; the blocks must come back in the order asked, bit-exact,
+    including blocks still pending from the ArchiveWriter."""
+    from docfuse.runtime.kv.background import ArchiveWriter, ExactArchive, read_blocks
+
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 1000, 8, dtype=torch.bfloat16), torch.randn(1, 2, 1000, 8, dtype=torch.bfloat16)
+    archive = ExactArchive(block_tokens=64)
+    with ArchiveWriter(workers=2) as writer:
+        writer.submit(archive, k, v)
+        order = [15, 0, 3, 3, 7, 1, 14, 2, 9, 8, 4, 5, 6, 10, 11, 12, 13]
+        got = list(read_blocks(archive, order))
+    assert [g[0] for g in got] == [64 * i for i in order]
+    for (start, end, kk, vv) in got:
+        assert torch.equal(kk, k[:, :, start:end]) and torch.equal(vv, v[:, :, start:end])

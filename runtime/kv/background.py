@@ -12,6 +12,8 @@ import contextlib
 import os
 import threading
 import time
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -113,9 +115,51 @@ def unpack_exact(blob: ExactBlob) -> torch.Tensor:
         flat[i::size] = np.frombuffer(plane, dtype=np.uint8)
     shape = list(blob.shape)
     shape[-1], shape[-2] = shape[-2], shape[-1]
-    ints = flat.view(_NP[size])
-    swapped = torch.from_numpy(np.ascontiguousarray(np.swapaxes(ints.reshape(shape), -1, -2)))
-    return swapped.view(blob.dtype)
+    ints = torch.from_numpy(flat.view(_NP[size]).reshape(shape))
+    return ints.transpose(-1, -2).contiguous().view(blob.dtype)  # torch's transposing copy: ~1.6x numpy's here
+
+
+_READERS: tuple[ThreadPoolExecutor, int] | None = None
+_READERS_LOCK = threading.Lock()
+
+
+def _readers() -> tuple[ThreadPoolExecutor, int]:
+    """The threads that unpack archive blocks for :meth:`ExactArchive.read_many` (one pool per process), and how
+    many blocks may wait unpacked."""
+    global _READERS
+    with _READERS_LOCK:
+        if _READERS is None:
+            threads = max(1, min(8, os.cpu_count() or 1))
+            _READERS = ThreadPoolExecutor(threads, thread_name_prefix="docfuse-archive-read"), 2 * threads
+        return _READERS
+
+
+def read_blocks(archive: Any, indices: list[int], device: torch.device | str | None = None
+                ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Blocks ``indices`` of ``archive`` as its ``read`` gives them (moved to ``device`` when given), in that order;
+    a host archive's are decompressed, and copied, ahead by a pool of threads.
+
+    A question's exact read at 128K unpacks some 500 blocks a layer; one after another that ran at ~0.6 GB/s (27 s
+    for two questions on an H100 host), while LZ4 and numpy release the GIL, so the cores can share it. At most
+    ``2 x threads`` blocks wait unpacked, so memory stays a few blocks' worth.
+    """
+    def read(index: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        start, end, k, v = archive.read(index)
+        return (start, end, k, v) if device is None else (start, end, k.to(device), v.to(device))
+
+    if getattr(archive, "on_device", False) or len(indices) < 2:
+        yield from (read(i) for i in indices)
+        return
+    archive.settle()  # pending ranges are joined here, once, not by racing reader threads
+    pool, window = _readers()
+    todo = iter(indices)
+    ahead: deque[Future] = deque(pool.submit(read, i) for _, i in zip(range(window), todo))
+    while ahead:
+        result = ahead.popleft().result()
+        nxt = next(todo, None)
+        if nxt is not None:
+            ahead.append(pool.submit(read, nxt))
+        yield result
 
 
 @dataclass

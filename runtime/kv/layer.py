@@ -28,7 +28,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from docfuse.runtime.kv import code_attention
 from docfuse.runtime.kv.association import AssociationStore
-from docfuse.runtime.kv.background import ExactArchive
+from docfuse.runtime.kv.background import ExactArchive, read_blocks
 from docfuse.runtime.kv.config import KVConfig
 from docfuse.runtime.kv.summaries import group_queries, page_minmax, page_scores
 from docfuse.runtime.kv.votes import nominate, token_votes
@@ -359,10 +359,10 @@ class TieredLayer(CacheLayerMixin):
         if len(missing):
             if int(missing.max()) >= self.archive.length:
                 raise RuntimeError("tiered cache invariant broken: a non-core token is not archived")
-            for block in torch.unique(self.archive.block_of(missing)).tolist():
-                start, end, k, v = self.archive.read(block)
-                full_k[:, :, start:end] = k.to(self.device)
-                full_v[:, :, start:end] = v.to(self.device)
+            blocks = torch.unique(self.archive.block_of(missing)).tolist()
+            for start, end, k, v in read_blocks(self.archive, blocks, self.device):
+                full_k[:, :, start:end] = k
+                full_v[:, :, start:end] = v
                 # Only the rows that asked for this block count it as known, so that batch rows (documents of a
                 # stacked batch) rank exactly as they would alone.
                 filled[needed[:, start:end].any(dim=1), :, start:end] = True
