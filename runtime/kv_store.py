@@ -13,8 +13,10 @@ whole entry or none, and two writers of one entry leave one whole entry. A load 
 altered file deletes it, warns with its name, and reports a miss: the caller prefills again. The folder keeps at
 most ``max_bytes``, least recently used entries going first.
 
-This build stores full caches (``kv: null``, the default path of ``docfuse ask`` and the QA pipelines) for the CPU
-``Session``; a tiered cache or the GPU engine prefill as before.
+The CPU ``Session`` stores full caches (``kv: null``, the default of ``docfuse ask`` and the QA pipelines) and tiered
+caches after a token-major prefill (``kv.prefill: tokens``, the CPU default: every token is still exact in the core
+then, and each question re-tiers from it). A layer-major prefill (tiered while it runs) and the GPU engine prefill as
+before.
 """
 
 from __future__ import annotations
@@ -79,12 +81,18 @@ class KVStore:
 
     # ---- keys ------------------------------------------------------------------------------------------------
     def key(self, model: torch.nn.Module, ids: Sequence[int], *, embeds: torch.Tensor | None = None,
-            chunk_size: int = 512) -> str:
-        """The entry name for this model, prefix and prefill: a SHA-256 over everything that shapes the cache."""
+            chunk_size: int = 512, kind: str = "full") -> str:
+        """The entry name for this model, prefix and prefill: a SHA-256 over everything that shapes the cache.
+
+        ``kind`` names the cache that made the state: ``full`` (a DynamicCache) or ``tiered`` (a TieredCache after a
+        token-major prefill); the two never share an entry, even where their numbers would agree."""
         h = hashlib.sha256()
         device = next(model.parameters()).device
-        h.update(json.dumps({"format": 1, "model": model_fingerprint(model), "dtype": str(model.dtype),
-                             "device": device.type, "chunk": int(chunk_size), "tokens": len(ids)}).encode())
+        fields = {"format": 1, "model": model_fingerprint(model), "dtype": str(model.dtype),
+                  "device": device.type, "chunk": int(chunk_size), "tokens": len(ids)}
+        if kind != "full":  # full entries keep the keys they had before tiered ones existed
+            fields["kind"] = kind
+        h.update(json.dumps(fields).encode())
         h.update(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes())
         if embeds is not None:
             h.update(embeds.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
@@ -213,6 +221,26 @@ def _decode(data: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) per layer of a transformers DynamicCache."""
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def tiered_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """(keys, values) per layer of a TieredCache straight after a token-major prefill, when every token is still
+    in its core in position order (the exact state a question's re-tier starts from); ``None`` otherwise (tiered
+    during the prefill: that state is not stored)."""
+    out = []
+    for layer in cache.layers:
+        if layer.n_assoc or layer.n_core != layer.length or not layer._core_in_order():
+            return None
+        out.append((layer.keys[:, :, : layer.n_core], layer.values[:, :, : layer.n_core]))
+    return out
+
+
+def fill_tiered(cache: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Any:
+    """An empty TieredCache given the state :func:`tiered_layers` took: every token in the core, in order."""
+    for layer, (k, v) in zip(cache.layers, layers, strict=True):
+        layer.store(k.to(device), v.to(device))
+    cache.peak_device = cache.device_bytes()
+    return cache
 
 
 def fill_dynamic(config: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Any:

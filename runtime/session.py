@@ -227,13 +227,15 @@ class Session:
         started = metrics.now(self.device)
         store_key = None
         self.loaded_from_store = False
-        if self.kv_store is not None and self.kv is None and ids:
-            from docfuse.runtime.kv_store import fill_dynamic
+        kind = self._store_kind()
+        if kind is not None and ids:
+            from docfuse.runtime.kv_store import fill_dynamic, fill_tiered
 
-            store_key = self.kv_store.key(self.model, ids, embeds=embeds, chunk_size=chunk_size)
+            store_key = self.kv_store.key(self.model, ids, embeds=embeds, chunk_size=chunk_size, kind=kind)
             layers = self.kv_store.load(store_key)
             if layers is not None:  # the same prefill ran before: its exact state, bit for bit
-                self.cache = fill_dynamic(self.model.config, layers, self.device)
+                self.cache = (fill_dynamic(self.model.config, layers, self.device) if kind == "full" else
+                              fill_tiered(make_cache(self.model.config, self.kv), layers, self.device))
                 self.loaded_from_store = True
                 return self._prefilled(ids, started)
         self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
@@ -247,14 +249,26 @@ class Session:
         self.document_prefills += 1
         seconds = self._prefilled(ids, started)
         if store_key is not None:  # after the clock: storing is not the first answer's wait
-            from docfuse.runtime.kv_store import cache_layers
+            from docfuse.runtime.kv_store import cache_layers, tiered_layers
 
+            layers = cache_layers(self.cache) if kind == "full" else tiered_layers(self.cache)
             try:
-                self.kv_store.save(store_key, cache_layers(self.cache), source=source)
+                if layers is not None:
+                    self.kv_store.save(store_key, layers, source=source)
             except OSError as exc:  # a full or read-only disk costs the next run a prefill, nothing more
                 warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next "
                               "run prefills it again", stacklevel=2)
         return seconds
+
+    def _store_kind(self) -> str | None:
+        """Which cache ``kv_store`` keeps for this session: ``full`` (no ``kv:``), ``tiered`` (a tiered cache
+        prefilled token-major, exact until its first re-tier), or ``None`` (no store; a layer-major prefill tiers as
+        it goes, eviction drops tokens: neither state is stored)."""
+        if self.kv_store is None:
+            return None
+        if self.kv is None:
+            return "full"
+        return "tiered" if self.kv.method == "tiered" and self.kv.prefill == "tokens" else None
 
     def _prefilled(self, ids: list[int], started: float) -> float:
         self.prefix_length = self.cache.get_seq_length()

@@ -53,6 +53,43 @@ def test_a_stored_prefill_answers_bit_for_bit_as_a_fresh_one(tmp_path, dtype):
     assert torch.equal(next_logits(model, loaded), next_logits(model, prefilled(model, IDS)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stored_tiered_prefill_answers_bit_for_bit_as_a_fresh_one(tmp_path, dtype):
+    """A tiered cache after a token-major prefill is stored as its exact core; loaded, two questions in turn (each
+    re-tiering the document, the second from the first's state) and the answers' decode steps give the logits a
+    fresh prefill gives."""
+    from docfuse.runtime.kv import make_cache, read_question
+    from docfuse.runtime.kv_store import fill_tiered, tiered_layers
+
+    model = tiny(dtype=dtype)
+    kv = {"core_tokens": 0.2, "association_tokens": 0.3, "association_bits": 4, "page_tokens": 8}
+    ids = list(range(3, 200))
+    store = KVStore(tmp_path)
+    key = store.key(model, ids, chunk_size=16, kind="tiered")
+    assert key != store.key(model, ids, chunk_size=16)  # a full cache's entry is another entry
+
+    def fresh():
+        cache = make_cache(model.config, kv)
+        with torch.inference_mode():
+            fill_cache(model, cache, ids, 16)
+        return cache
+
+    store.save(key, tiered_layers(fresh()))
+    loaded = fill_tiered(make_cache(model.config, kv), store.load(key), torch.device("cpu"))
+    runs = []
+    for cache in (fresh(), loaded):
+        out = []
+        with torch.inference_mode():
+            for question in ([9, 4, 11], [5, 6]):
+                cache.rollback(len(ids))
+                out.append(read_question(model, cache, torch.tensor([question])))
+                out.append(next_logits(model, cache, 13))  # a decode step over the re-tiered cache
+        runs.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    tiers = loaded.tier_tokens()
+    assert tiers["association"] > 0 and tiers["background"] > 0  # the questions did read through all three tiers
+
+
 def test_keys_miss_on_any_change_that_shapes_the_state(tmp_path):
     store = KVStore(tmp_path)
     model = tiny()
@@ -134,14 +171,15 @@ def test_least_recently_used_entries_go_first(tmp_path):
 
 
 @pytest.mark.slow
-def test_session_loads_a_stored_document_and_answers_the_same(smollm2, tmp_path):
+@pytest.mark.parametrize("kv", [None, {}], ids=["full", "tiered"])
+def test_session_loads_a_stored_document_and_answers_the_same(smollm2, tmp_path, kv):
     from docfuse.runtime.session import Session
 
     model, tokenizer = smollm2
     document = "The monthly fee is 4,250 euros. " * 40 + "The agreement is governed by Dutch law."
     answers = []
     for run in range(2):
-        session = Session(model, tokenizer, kv_store=KVStore(tmp_path))
+        session = Session(model, tokenizer, kv=kv, kv_store=KVStore(tmp_path))
         session.prefill(session.fit_document(document, max_new_tokens=16), source="agreement.pdf")
         assert session.loaded_from_store == (run == 1) and session.document_prefills == (1 - run)
         answers.append(session.ask("Which law governs the agreement?", 16))
