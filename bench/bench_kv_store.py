@@ -1,12 +1,14 @@
 """The KV store (issue 24): a repeated document's second question against its first, through ``docfuse ask``.
 
-    python bench/bench_kv_store.py [--tokens 7000] [--out kv_store]
+    python bench/bench_kv_store.py [--tokens 7000] [--kv '{}'] [--out kv_store]
 
 Writes a text document of about ``--tokens`` tokens of synthetic contract prose with two facts in it, then runs
 ``docfuse ask`` on it three times in new processes, each with a fresh stage cache but one KV store: the first run
 prefills and stores the document; the second asks another question of the same document (the store's hit); the third
 repeats the first run with ``--no-cache`` (no store at all), the anchor in the same session. Reports each run's time
 to first token and wall time, and the entry's bytes on disk per token against the raw model-precision K/V.
+``--kv`` gives every run the ``kv:`` block (JSON; ``'{}'`` is the tiered cache at its defaults): the store then
+keeps the tiered cache's exact core after the prefill.
 """
 
 from __future__ import annotations
@@ -58,21 +60,23 @@ def ask(path: Path, question: str, cache: Path, *extra: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=7000)
+    parser.add_argument("--kv", default=None, help="the kv: block of every run, as JSON (default: none, a full cache)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    kv = ("--set", f"answer.kv={args.kv}") if args.kv is not None else ()
     work = Path(tempfile.mkdtemp(prefix="docfuse-kvstore-"))
     doc = work / "agreement.txt"
     document(doc, int(args.tokens * 0.72))  # ~1.4 tokens a word of this vocabulary
     store = work / "kv"
-    first = ask(doc, "What is the monthly fee?", work / "c1", "--kv-store", str(store))
-    second = ask(doc, "Which law governs the agreement?", work / "c2", "--kv-store", str(store))
-    anchor = ask(doc, "Which law governs the agreement?", work / "c3", "--no-cache")
+    first = ask(doc, "What is the monthly fee?", work / "c1", "--kv-store", str(store), *kv)
+    second = ask(doc, "Which law governs the agreement?", work / "c2", "--kv-store", str(store), *kv)
+    anchor = ask(doc, "Which law governs the agreement?", work / "c3", "--no-cache", *kv)
     entries = list(store.glob("*.dfkv"))
     # the embedded model in its default dtype (bf16): 30 layers x 3 KV heads x 64 x (K, V) x 2 bytes a token
     raw_per_token = 30 * 3 * 64 * 2 * 2
     tokens = first["prompt_tokens"] - 40  # the question's suffix is not stored; ~40 tokens of it
     disk = sum(p.stat().st_size for p in entries)
-    result = {"runs": {"first": first, "second_from_store": second, "no_store_anchor": anchor},
+    result = {"kv": args.kv, "runs": {"first": first, "second_from_store": second, "no_store_anchor": anchor},
               "second_over_first_ttft": second["ttft_s"] / first["ttft_s"],
               "second_over_anchor_ttft": second["ttft_s"] / anchor["ttft_s"],
               "second_over_first_wall": second["wall_s"] / first["wall_s"],
