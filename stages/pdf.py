@@ -28,7 +28,7 @@ from docfuse.stages.pdf_lines import (LineNumber, LineNumbers, attach_raised_mar
                                       take_line_numbers)
 from docfuse.stages.pdf_ocr import OcrPool, OcrUnavailable
 from docfuse.stages.pdf_open import PdfOpenError, open_pdf
-from docfuse.stages.pdf_tables import PageTable, TablesMode, find_page_tables
+from docfuse.stages.pdf_tables import PageTable, TablesMode, find_page_tables, word_tables
 
 #: Absolute guard, whatever max_pixels says: no image side beyond this (MuPDF and most PNG readers cope,
 #: and one such page already takes ~3 GiB as RGB at the side limit squared, so max_pixels binds long before).
@@ -280,10 +280,13 @@ class PdfText(Stage):
         self.stats["ocr_pages"] += 1
         if not result.content.usable and item.content.usable:
             return item
-        # a scan's tables are not ruled drawings: the layout reads them as text
-        return _Extracted(result.content, [], image_only=item.image_only,
+        numbers = repair_lines(result.content)
+        # a scan's rulings are pixels, not drawings: its tables are the ones its words' alignment shows
+        tables = word_tables(result.content) if result.content.usable and self.params.tables != "never" else []
+        self.stats["tables"] += len(tables)
+        return _Extracted(result.content, tables, image_only=item.image_only,
                           source="ocr" if result.content.usable else "none", confidence=result.confidence,
-                          numbers=repair_lines(result.content))
+                          numbers=numbers)
 
     def _layout(self, extracted: list) -> list[dict]:
         """Lay the pages out with the document's font sizes (OCR results collected first, waiting where needed)."""

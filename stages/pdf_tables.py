@@ -595,6 +595,14 @@ def find_page_tables(page: pymupdf.Page, content: PageContent, mode: TablesMode)
     words = content.words
     ran = mode == "always" or grid_signal(page)
     tables = ruled_tables(page, words) if ran else []
+    return word_tables(content, tables), ran
+
+
+def word_tables(content: PageContent, tables: list[PageTable] | None = None) -> list[PageTable]:
+    """The tables the words alone show (figure columns, then whitespace-aligned runs), after ``tables`` found
+    otherwise; removes the words every table claims from ``content``'s lines. An OCR'd page has only this: a
+    scan's rulings are pixels, not drawings ``find_tables`` could follow."""
+    tables = list(tables or [])
     taken = {id(w) for t in tables for w, _ in t.words}
     upright = [w for block in content.blocks for line in block if line.horizontal for w in line.words]
     tables += figure_tables([w for w in upright if id(w) not in taken])
@@ -603,7 +611,7 @@ def find_page_tables(page: pymupdf.Page, content: PageContent, mode: TablesMode)
     if tables:
         taken = {id(w) for t in tables for w, _ in t.words}
         content.blocks = _without(content.blocks, taken)
-    return tables, ran
+    return tables
 
 
 def _without(blocks: list[list[Line]], taken: set[int]) -> list[list[Line]]:

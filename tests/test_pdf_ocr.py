@@ -175,9 +175,13 @@ def test_ask_answers_from_a_scan_of_the_sample(tmp_path):
     path = tmp_path / "sample_scan.pdf"
     scan.save(path)
     assert not pymupdf.open(path)[0].get_text().strip()
-    res = docfuse("ask", str(path), "What is the monthly fee?", "--no-cache")
+    # float32: in bf16 the 135M model's greedy answer over this OCR text says "42.50 Euros" since the scan's fee
+    # table reads as a Markdown table (as the original's does); float32 answers the fee from the same prompt
+    # (bf16 answers flipping on small prompt changes: issue 29's open question)
+    res = docfuse("ask", str(path), "What is the monthly fee?", "--no-cache", "--set", "answer.dtype=float32")
     assert res.returncode == 0, res.stderr
     assert "4250" in res.stdout.replace(",", ""), res.stdout  # the fee (the model may drop the thousands comma)
+    assert "| Platform licence | 1 | 4,250.00 | 51,000.00 |" in texts(path)[0]["text"]  # the table, as a table
 
 
 @needs_tesseract
@@ -219,3 +223,27 @@ def test_a_page_that_cannot_be_rendered_for_ocr_is_an_error_row_and_the_others_a
     rows = texts(path)
     assert rows[0]["error"].startswith("ocr_failed:") and "cannot render" in rows[0]["error"]
     assert rows[1]["error"] is None and rows[1]["text_source"] == "ocr" and "Rotterdam" in rows[1]["text"]
+
+
+@needs_tesseract
+def test_a_scanned_table_comes_out_as_a_markdown_table(tmp_path):
+    """A scan has no drawings to follow, but its words line up in rows and columns: the OCR'd page gets the same
+    Markdown table a text layer would."""
+    source = pymupdf.open()
+    page = source.new_page(width=612, height=792)
+    page.insert_text((72, 90), "Quarterly sales by region", fontsize=14)
+    rows = [("Region", "Units", "Revenue", "Margin"), ("North", "1204", "8100", "12%"), ("South", "980", "6400", "9%"),
+            ("East", "1530", "9900", "14%"), ("West", "760", "5200", "7%")]
+    for k, row in enumerate(rows):
+        for x, value in zip((72, 200, 320, 440), row):
+            page.insert_text((x, 130 + 22 * k), value, fontsize=12)
+    pix = page.get_pixmap(dpi=200)
+    doc = pymupdf.open()
+    out = doc.new_page(width=612, height=792)
+    out.insert_image(out.rect, pixmap=pix)
+    path = tmp_path / "table-scan.pdf"
+    doc.save(path)
+    row = texts(path)[0]
+    assert row["text_source"] == "ocr" and row["error"] is None
+    assert "| North | 1204 | 8100 | 12% |" in row["text"], row["text"]
+    assert row["text"].index("Quarterly sales") < row["text"].index("| Region")
