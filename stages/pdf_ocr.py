@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import logging
 import math
 import os
 import shutil
@@ -28,6 +29,7 @@ import pymupdf
 
 from docfuse.stages.pdf_extract import Line, PageContent, Word
 
+LOG = logging.getLogger("docfuse.ocr")
 INSTALL_HINT = ("install Tesseract and its language data (Debian/Ubuntu: apt-get install tesseract-ocr "
                 "tesseract-ocr-eng; `make setup` does it), or set pdf.text's ocr: never")
 #: Mean word confidence under which a page is checked for text turned by 90, 180 or 270 degrees.
@@ -113,10 +115,19 @@ def run_tesseract(png: bytes, dpi: float, languages: str, psm: int = 3) -> str:
     return out.stdout.decode("utf-8", errors="replace")
 
 
+@functools.lru_cache(maxsize=1)
+def _warn_no_osd() -> None:
+    LOG.warning("Tesseract has no orientation data (osd.traineddata): pages scanned sideways or upside down are read "
+                "as they lie, and poorly; install it (Debian/Ubuntu: apt-get install tesseract-ocr-osd)")
+
+
 def osd_rotation(png: bytes, dpi: float) -> int:
     """Clockwise degrees (0, 90, 180, 270) that turn the page image's text upright, by Tesseract's orientation
-    detection; 0 when it cannot tell (too little text, no ``osd`` data)."""
+    detection; 0 when it cannot tell (too little text, no ``osd`` data: then a warning, once, names the package)."""
     try:
+        if "osd" not in installed_languages():
+            _warn_no_osd()
+            return 0
         report = run_tesseract(png, dpi, "", psm=0)
     except (OcrUnavailable, RuntimeError):
         return 0

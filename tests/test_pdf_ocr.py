@@ -247,3 +247,14 @@ def test_a_scanned_table_comes_out_as_a_markdown_table(tmp_path):
     assert row["text_source"] == "ocr" and row["error"] is None
     assert "| North | 1204 | 8100 | 12% |" in row["text"], row["text"]
     assert row["text"].index("Quarterly sales") < row["text"].index("| Region")
+
+
+def test_missing_orientation_data_is_named_once_and_the_page_is_read_as_it_lies(monkeypatch, caplog):
+    """Without osd.traineddata the orientation check cannot run: say which package gives it, once, and go on."""
+    monkeypatch.setattr(pdf_ocr, "installed_languages", lambda: frozenset({"eng"}))
+    pdf_ocr._warn_no_osd.cache_clear()
+    with caplog.at_level("WARNING", logger="docfuse.ocr"):
+        assert pdf_ocr.osd_rotation(b"not read", 300) == 0
+        assert pdf_ocr.osd_rotation(b"not read", 300) == 0
+    warnings = [r.getMessage() for r in caplog.records if "osd" in r.getMessage()]
+    assert len(warnings) == 1 and "tesseract-ocr-osd" in warnings[0]
