@@ -52,6 +52,15 @@ def _source_page() -> pymupdf.Page:
     return page
 
 
+def _as_scan(page: pymupdf.Page, dpi: int, path: Path) -> Path:
+    """A one-page image-only PDF of ``page`` rendered at ``dpi``, the same size as the page."""
+    scan = pymupdf.open()
+    out = scan.new_page(width=page.rect.width, height=page.rect.height)
+    out.insert_image(out.rect, pixmap=page.get_pixmap(dpi=dpi))
+    scan.save(path)
+    return path
+
+
 def texts(path: Path, **params) -> list[dict]:
     return PdfText(**params).run(_opened(path)).to_pylist()
 
@@ -151,12 +160,7 @@ def test_huge_page_is_read_within_the_pixel_cap(tmp_path):
     doc = pymupdf.open()
     page = doc.new_page(width=14400, height=14400)  # 200 x 200 inches: 1.9 billion pixels at 300 dpi
     page.insert_text((720, 2000), "Poster headline in large type", fontsize=400)
-    pix = page.get_pixmap(dpi=6)
-    scan = pymupdf.open()
-    out = scan.new_page(width=14400, height=14400)
-    out.insert_image(out.rect, pixmap=pix)
-    path = tmp_path / "poster.pdf"
-    scan.save(path)
+    path = _as_scan(page, 6, tmp_path / "poster.pdf")
     row = texts(path, ocr_max_pixels=4_000_000)[0]
     assert row["error"] is None or row["error"].startswith("page_too_large:")
 
@@ -237,12 +241,7 @@ def test_a_scanned_table_comes_out_as_a_markdown_table(tmp_path):
     for k, row in enumerate(rows):
         for x, value in zip((72, 200, 320, 440), row):
             page.insert_text((x, 130 + 22 * k), value, fontsize=12)
-    pix = page.get_pixmap(dpi=200)
-    doc = pymupdf.open()
-    out = doc.new_page(width=612, height=792)
-    out.insert_image(out.rect, pixmap=pix)
-    path = tmp_path / "table-scan.pdf"
-    doc.save(path)
+    path = _as_scan(page, 200, tmp_path / "table-scan.pdf")
     row = texts(path)[0]
     assert row["text_source"] == "ocr" and row["error"] is None
     assert "| North | 1204 | 8100 | 12% |" in row["text"], row["text"]
