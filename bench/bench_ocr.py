@@ -121,7 +121,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="name under bench/results/ (without .json)")
     parser.add_argument("--rapidocr", action="store_true", help="also time RapidOCR on the clean 300-dpi images")
+    parser.add_argument("--ocr-dpi", type=int, default=None, help="pdf.text's ocr_dpi for the scans (default: "
+                        "the stage's own, 300)")
     args = parser.parse_args()
+    ocr = {} if args.ocr_dpi is None else {"ocr_dpi": args.ocr_dpi}
     if not CORPUS.exists():
         raise SystemExit(f"needs the corpus at {CORPUS}")
     rng = random.Random(0)
@@ -149,9 +152,9 @@ def main() -> None:
                     "born_digital": {"seconds_ocr_never": never_s, "seconds_ocr_auto": auto_s,
                                      "auto_over_never": auto_s / never_s,
                                      "ocr_pages_with_auto": sum(r["text_source"] == "ocr" for r in auto_rows)},
-                    "conditions": {}}
+                    "ocr_dpi": args.ocr_dpi or 300, "conditions": {}}
     for condition, paths in scans.items():
-        rows, seconds = extract(paths)
+        rows, seconds = extract(paths, **ocr)
         per = []
         for r in rows:
             stem = Path(r["source"]).stem.rsplit("__", 1)[0]
@@ -170,7 +173,7 @@ def main() -> None:
         print(f"{condition}: WER {c['wer']:.3f}, order-free {c['order_free_word_error']:.3f}, char {c['char_error']:.3f}, "
               f"{c['pages_per_s']:.2f} pages/s", flush=True)
     scanned = sorted((CORPUS / "pdf" / "scanned").glob("*.pdf"))
-    rows, seconds = extract(scanned)
+    rows, seconds = extract(scanned, **ocr)
     result["corpus_scans"] = [{"file": Path(r["source"]).name, "page": r["page"], "words": r["n_words"],
                                "source": r["text_source"], "confidence": r["ocr_confidence"], "error": r["error"]}
                               for r in rows]

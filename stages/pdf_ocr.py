@@ -95,8 +95,13 @@ def available() -> bool:
 
 
 def render_for_ocr(page: pymupdf.Page, dpi: float) -> bytes:
-    """The page as shown (its /Rotate applied), greyscale PNG at ``dpi``: what Tesseract reads."""
-    return page.get_pixmap(dpi=dpi, colorspace=pymupdf.csGRAY, alpha=False).tobytes("png")
+    """The page as shown (its /Rotate applied), greyscale PNG at ``dpi``: what Tesseract reads. ``dpi`` may be
+    fractional (a page fitted under ``ocr_max_pixels``, or ``ocr_dpi: 200`` validated as 200.0): the zoom takes it
+    as it is, the image's own dpi field (an integer in MuPDF) is rounded."""
+    zoom = float(dpi) / 72.0
+    pix = page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), colorspace=pymupdf.csGRAY, alpha=False)
+    pix.set_dpi(max(1, round(dpi)), max(1, round(dpi)))
+    return pix.tobytes("png")
 
 
 def run_tesseract(png: bytes, dpi: float, languages: str, psm: int = 3) -> str:

@@ -257,3 +257,13 @@ def test_missing_orientation_data_is_named_once_and_the_page_is_read_as_it_lies(
         assert pdf_ocr.osd_rotation(b"not read", 300) == 0
     warnings = [r.getMessage() for r in caplog.records if "osd" in r.getMessage()]
     assert len(warnings) == 1 and "tesseract-ocr-osd" in warnings[0]
+
+
+@needs_tesseract
+@pytest.mark.parametrize("dpi", [200, 212.5])
+def test_ocr_dpi_set_by_the_user_or_fitted_to_the_pixel_cap_is_read(tmp_path, dpi):
+    """``ocr_dpi`` arrives as a float (pydantic makes 200 into 200.0; the pixel cap fits fractional dpi): the page
+    must still render and read, not fail in MuPDF's integer dpi field."""
+    row = texts(_scan(tmp_path, "fee"), ocr_dpi=dpi)[0]
+    assert row["error"] is None and row["text_source"] == "ocr"
+    assert "4,250" in row["text"]
