@@ -253,6 +253,13 @@ def ask(
     raise typer.Exit(report.exit_code)
 
 
+#: What ``ask`` shows on a terminal while a stage of the QA pipelines starts (others: "name (kind)").
+_STAGE_WORDS = {"pdf.open": "opening the document", "pdf.text": "reading its text (OCR for scanned pages)",
+                "text.pages": "reading the text", "pdf.render": "rendering its pages",
+                "vision.patches": "encoding the page images", "fusion.gate": "fusing text and images",
+                "decode.generate": "loading the model"}
+
+
 @contextlib.contextmanager
 def _streaming(live: bool, streamed: list[str]):
     """On a terminal, ``ask`` shows the prefill's progress in tokens (stderr) and the answer as it is decoded."""
@@ -262,7 +269,7 @@ def _streaming(live: bool, streamed: list[str]):
     from docfuse.pipelines.progress import LIVE, Live
 
     def prefill(done: int, total: int) -> None:
-        sys.stderr.write(f"\rreading the document: {done:,} / {total:,} tokens")
+        sys.stderr.write(f"\r\x1b[Kreading the document: {done:,} / {total:,} tokens")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -272,7 +279,13 @@ def _streaming(live: bool, streamed: list[str]):
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    token = LIVE.set(Live(on_prefill=prefill, on_text=text))
+    def stage(name: str, kind: str) -> None:
+        sys.stderr.write(f"\r\x1b[K{_STAGE_WORDS.get(kind, f'{name} ({kind})')} ...")
+        sys.stderr.flush()
+
+    sys.stderr.write("starting ...\n")  # before the first stage imports its libraries (seconds on a laptop)
+    sys.stderr.flush()
+    token = LIVE.set(Live(on_prefill=prefill, on_text=text, on_stage=stage))
     try:
         yield
     finally:

@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 
 from docfuse.pipelines.cache import StageCache, stable_hash
 from docfuse.pipelines.planning import Plan, make_plan
+from docfuse.pipelines.progress import LIVE
 from docfuse.pipelines.sources import SOURCES, read_batches, table_batches
 from docfuse.pipelines.stage import Stage, conform, error_value
 from docfuse.pipelines.validate import PipelineInvalid, check
@@ -141,6 +142,9 @@ def run_stage(name: str, stage: Stage, inputs: list[pa.Table], prepare: Callable
     bad = [t.filter(pc.is_valid(t.column("error"))) for t in inputs if "error" in t.column_names]
     parts: list[pa.Table] = []
     if any(t.num_rows for t in good):
+        live = LIVE.get()
+        if live is not None and live.on_stage is not None:
+            live.on_stage(name, stage.kind)
         prepare()
         parts.append(_run_isolated(name, stage, good, schema))
     errors = [t for t in bad if t.num_rows]

@@ -323,3 +323,19 @@ def test_a_stage_description_is_its_whole_first_paragraph():
     Details that stay out of the listing.""") == ("Answer the questions about each document, one prefill a document, "
                                                    "and one row per question.")
     assert _summary(None) == ""
+
+
+def test_a_live_caller_hears_each_stage_as_it_starts(tmp_path):
+    """``docfuse ask`` shows which stage is working (a model load or OCR is otherwise a silent wait): the local
+    executor names each stage, in plan order, through progress.LIVE; without a listener nothing is called."""
+    from docfuse.pipelines.progress import LIVE, Live
+    from tests.pdf_fixtures import write_two_column
+
+    pdf = write_two_column(tmp_path)
+    heard: list[tuple[str, str]] = []
+    token = LIVE.set(Live(on_stage=lambda name, kind: heard.append((name, kind))))
+    try:
+        Pipeline.from_yaml("pdf_extract").run([str(pdf)])
+    finally:
+        LIVE.reset(token)
+    assert heard == [("pages", "pdf.open"), ("text", "pdf.text")]
