@@ -91,7 +91,7 @@ class KVStore:
         fields = {"format": 1, "model": model_fingerprint(model), "dtype": str(model.dtype),
                   "device": device.type, "chunk": int(chunk_size), "tokens": len(ids)}
         if kind != "full":  # full entries keep the keys they had before tiered ones existed
-            fields["kind"] = kind
+            fields.update(kind=kind, format=2)  # 2: the archive's blocks, not whole layers
         h.update(json.dumps(fields).encode())
         h.update(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes())
         if embeds is not None:
@@ -128,9 +128,10 @@ class KVStore:
         return self.path(key)
 
     # ---- read ------------------------------------------------------------------------------------------------
-    def load(self, key: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The stored (keys, values) per layer, on the host, or None on a miss. An entry that fails any check is
-        deleted with a warning naming it (the caller prefills again): a damaged entry is never used."""
+    def load(self, key: str, blobs: bool = False) -> list[tuple[Any, Any]] | None:
+        """The stored (keys, values) pairs, on the host, or None on a miss (``blobs``: still packed, as
+        :class:`ExactBlob`, checked but not unpacked). An entry that fails any check is deleted with a warning naming
+        it (the caller prefills again): a damaged entry is never used."""
         path = self.path(key)
         try:
             data = path.read_bytes()
@@ -138,7 +139,7 @@ class KVStore:
             self.misses += 1
             return None
         try:
-            layers = _decode(data)
+            layers = _decode(data, blobs)
         except Exception as exc:  # any damage at all: never use it
             self.refused += 1
             self.misses += 1
@@ -194,8 +195,9 @@ class KVStore:
         return gone, freed
 
 
-def _decode(data: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Check and unpack one entry's bytes; raises ValueError on any mismatch."""
+def _decode(data: bytes, blobs: bool = False) -> list[tuple[Any, Any]]:
+    """Check and unpack one entry's bytes (``blobs``: check them, leave them packed); raises ValueError on any
+    mismatch."""
     if len(data) < len(MAGIC) + 8 + _DIGEST or not data.startswith(MAGIC):
         raise ValueError("not a docfuse KV store entry, or truncated")
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
@@ -212,7 +214,8 @@ def _decode(data: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
             planes.append(body[offset: offset + size])
             offset += size
         dtype = _DTYPES[spec["dtype"]]
-        tensors.append(unpack_exact(ExactBlob(dtype, tuple(spec["shape"]), planes, "lz4")))
+        blob = ExactBlob(dtype, tuple(spec["shape"]), planes, "lz4")
+        tensors.append(blob if blobs else unpack_exact(blob))
     if offset != len(body) or len(tensors) % 2:
         raise ValueError("payload does not match its header")
     return [(tensors[i], tensors[i + 1]) for i in range(0, len(tensors), 2)]
@@ -224,21 +227,38 @@ def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def tiered_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """(keys, values) per layer of a TieredCache straight after a token-major prefill, when every token is still
-    in its core in position order (the exact state a question's re-tier starts from); ``None`` otherwise (tiered
-    during the prefill: that state is not stored)."""
+    """(keys, values) of a TieredCache straight after a token-major prefill, when every token is still in its
+    core in position order (the exact state a question's re-tier starts from), cut layer by layer into the
+    background archive's blocks; ``None`` otherwise (tiered during the prefill: that state is not stored). Stored
+    in blocks, the entry becomes the archive as it is (:func:`fill_tiered`): a question's first re-tier then has
+    nothing left to compress."""
     out = []
     for layer in cache.layers:
         if layer.n_assoc or layer.n_core != layer.length or not layer._core_in_order():
             return None
-        out.append((layer.keys[:, :, : layer.n_core], layer.values[:, :, : layer.n_core]))
+        step = layer.archive.block_tokens
+        for lo in range(0, layer.n_core, step):
+            hi = min(lo + step, layer.n_core)
+            out.append((layer.keys[:, :, lo:hi], layer.values[:, :, lo:hi]))
     return out
 
 
-def fill_tiered(cache: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Any:
-    """An empty TieredCache given the state :func:`tiered_layers` took: every token in the core, in order."""
-    for layer, (k, v) in zip(cache.layers, layers, strict=True):
-        layer.store(k.to(device), v.to(device))
+def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], device: torch.device) -> Any:
+    """An empty TieredCache given the state :func:`tiered_layers` took, as the packed blocks the store keeps:
+    every token in the core, in order, and the same blocks adopted by each layer's archive without repacking."""
+    layers = cache.layers
+    if not blocks or len(blocks) % len(layers):
+        raise ValueError(f"{len(blocks)} stored blocks do not split over {len(layers)} layers")
+    per = len(blocks) // len(layers)
+    for i, layer in enumerate(layers):
+        own = blocks[i * per: (i + 1) * per]
+        keys = [unpack_exact(k) for k, _ in own]
+        values = [unpack_exact(v) for _, v in own]
+        layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
+        starts = [0]
+        for k in keys:
+            starts.append(starts[-1] + k.shape[2])
+        layer.archive.adopt([(starts[j], starts[j + 1], kb, vb) for j, (kb, vb) in enumerate(own)])
     cache.peak_device = cache.device_bytes()
     return cache
 

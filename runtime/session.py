@@ -232,12 +232,17 @@ class Session:
             from docfuse.runtime.kv_store import fill_dynamic, fill_tiered
 
             store_key = self.kv_store.key(self.model, ids, embeds=embeds, chunk_size=chunk_size, kind=kind)
-            layers = self.kv_store.load(store_key)
+            layers = self.kv_store.load(store_key, blobs=kind == "tiered")
             if layers is not None:  # the same prefill ran before: its exact state, bit for bit
-                self.cache = (fill_dynamic(self.model.config, layers, self.device) if kind == "full" else
-                              fill_tiered(make_cache(self.model.config, self.kv), layers, self.device))
-                self.loaded_from_store = True
-                return self._prefilled(ids, started)
+                try:
+                    self.cache = (fill_dynamic(self.model.config, layers, self.device) if kind == "full" else
+                                  fill_tiered(make_cache(self.model.config, self.kv), layers, self.device))
+                except ValueError as exc:  # checksummed but not the shape this cache takes: prefill instead
+                    warnings.warn(f"KV store entry {self.kv_store.path(store_key)} does not fit this cache ({exc}); "
+                                  "the document is read again", stacklevel=2)
+                else:
+                    self.loaded_from_store = True
+                    return self._prefilled(ids, started)
         self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
         if self.kv is not None and self.kv.prefill == "layers" and ids:
             if self.device.type == "cuda" and self._writer is None:

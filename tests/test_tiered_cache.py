@@ -758,3 +758,20 @@ def test_archive_blocks_read_ahead_by_threads_come_back_in_order_and_exact() -> 
     assert [g[0] for g in got] == [64 * i for i in order]
     for (start, end, kk, vv) in got:
         assert torch.equal(kk, k[:, :, start:end]) and torch.equal(vv, v[:, :, start:end])
+
+
+def test_an_archive_adopts_only_blocks_that_tile_its_positions() -> None:
+    from docfuse.runtime.kv.background import ExactArchive, pack_exact
+
+    k = torch.randn(1, 1, 10, 4)
+    blob = pack_exact(k)
+    archive = ExactArchive(block_tokens=8)
+    with pytest.raises(ValueError, match="tile"):
+        archive.adopt([(0, 10, blob, blob)])  # longer than a block
+    with pytest.raises(ValueError, match="tile"):
+        archive.adopt([(2, 10, blob, blob)])  # not from 0
+    archive.adopt([(0, 8, pack_exact(k[:, :, :8]), pack_exact(k[:, :, :8])),
+                   (8, 10, pack_exact(k[:, :, 8:]), pack_exact(k[:, :, 8:]))])
+    assert archive.length == 10 and torch.equal(archive.read(1)[2], k[:, :, 8:])
+    with pytest.raises(ValueError, match="empty"):
+        archive.adopt([])

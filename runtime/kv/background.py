@@ -224,6 +224,20 @@ class ExactArchive:
             v = torch.cat([unpack_exact(last.values), v.detach().to("cpu")], dim=2)
         blocks.extend(pack_blocks(k, v, start, self.block_tokens, self.codec))
 
+    def adopt(self, blocks: list[tuple[int, int, ExactBlob, ExactBlob]]) -> None:
+        """Take blocks packed elsewhere (a KV store entry) as this empty archive's, without unpacking them: they must
+        tile ``[0, end)`` in order, ``block_tokens`` each (the last may be short), as :meth:`append` would cut them."""
+        if self._blocks or self._pending:
+            raise ValueError("adopt() fills an empty archive only")
+        expected = 0
+        for i, (start, end, _, _) in enumerate(blocks):
+            short_inside = end - start != self.block_tokens and i != len(blocks) - 1
+            if start != expected or end <= start or end - start > self.block_tokens or short_inside:
+                raise ValueError(f"block {i} covers [{start}, {end}); blocks must tile the positions from 0 in "
+                                 f"steps of {self.block_tokens}")
+            expected = end
+        self._blocks = [_Block(start, end, k, v) for start, end, k, v in blocks]
+
     def read(self, index: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """Block ``index`` as ``(start, end, keys, values)``."""
         block = self.blocks[index]
