@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from docfuse.runtime.kv.background import ExactBlob, pack_exact, unpack_exact
+from docfuse.runtime.kv.background import ExactBlob, pack_exact, reader_pool, unpack_exact
 
 MAGIC = b"docfuse-kv-store 1\n"
 SUFFIX = ".dfkv"
@@ -102,10 +102,15 @@ class KVStore:
         return self.folder / f"{key}{SUFFIX}"
 
     # ---- write -----------------------------------------------------------------------------------------------
-    def save(self, key: str, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, source: str = "") -> Path:
-        """Store the per-layer (keys, values) [B, H, T, D] of a full cache under ``key``, atomically."""
+    def save(self, key: str, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, source: str = "",
+             tokens: int | None = None) -> Path:
+        """Store (keys, values) [B, H, T, D] pairs (a full cache's layers, or a tiered cache's archive blocks) under
+        ``key``, atomically; ``tokens``: the document's length, shown by ``docfuse kv-store list`` (default: the
+        first pair's T, right for whole layers)."""
         blobs = [pack_exact(t) for k, v in layers for t in (k, v)]
-        header = {"tokens": int(layers[0][0].shape[2]) if layers else 0, "source": source, "saved": time.time(),
+        if tokens is None:
+            tokens = int(layers[0][0].shape[2]) if layers else 0
+        header = {"tokens": int(tokens), "source": source, "saved": time.time(),
                   "tensors": [{"dtype": str(b.dtype), "shape": list(b.shape), "planes": [len(p) for p in b.planes]}
                               for b in blobs]}
         head = json.dumps(header).encode()
@@ -250,10 +255,12 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
     if not blocks or len(blocks) % len(layers):
         raise ValueError(f"{len(blocks)} stored blocks do not split over {len(layers)} layers")
     per = len(blocks) // len(layers)
+    pool, _ = reader_pool()  # LZ4 and numpy release the GIL: the blocks unpack side by side
+    tensors = list(pool.map(unpack_exact, [blob for pair in blocks for blob in pair]))
     for i, layer in enumerate(layers):
         own = blocks[i * per: (i + 1) * per]
-        keys = [unpack_exact(k) for k, _ in own]
-        values = [unpack_exact(v) for _, v in own]
+        keys = tensors[2 * i * per: 2 * (i + 1) * per: 2]
+        values = tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
         layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
         starts = [0]
         for k in keys:

@@ -259,7 +259,7 @@ class Session:
             layers = cache_layers(self.cache) if kind == "full" else tiered_layers(self.cache)
             try:
                 if layers is not None:
-                    self.kv_store.save(store_key, layers, source=source)
+                    self.kv_store.save(store_key, layers, source=source, tokens=len(ids))
             except OSError as exc:  # a full or read-only disk costs the next run a prefill, nothing more
                 warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next "
                               "run prefills it again", stacklevel=2)

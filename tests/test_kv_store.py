@@ -74,7 +74,8 @@ def test_a_stored_tiered_prefill_answers_bit_for_bit_as_a_fresh_one(tmp_path, dt
             fill_cache(model, cache, ids, 16)
         return cache
 
-    store.save(key, tiered_layers(fresh()))
+    store.save(key, tiered_layers(fresh()), tokens=len(ids))
+    assert [e.tokens for e in store.entries()] == [len(ids)]  # what kv-store list shows, not one block's length
     loaded = fill_tiered(make_cache(model.config, kv), store.load(key, blobs=True), torch.device("cpu"))
     # the archive came packed from the store: the first re-tier finds every position archived already
     assert all(layer.archive.length == len(ids) for layer in loaded.layers)

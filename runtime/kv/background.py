@@ -123,7 +123,7 @@ _READERS: tuple[ThreadPoolExecutor, int] | None = None
 _READERS_LOCK = threading.Lock()
 
 
-def _readers() -> tuple[ThreadPoolExecutor, int]:
+def reader_pool() -> tuple[ThreadPoolExecutor, int]:
     """The threads that unpack archive blocks for :meth:`ExactArchive.read_many` (one pool per process), and how
     many blocks may wait unpacked."""
     global _READERS
@@ -151,7 +151,7 @@ def read_blocks(archive: Any, indices: list[int], device: torch.device | str | N
         yield from (read(i) for i in indices)
         return
     archive.settle()  # pending ranges are joined here, once, not by racing reader threads
-    pool, window = _readers()
+    pool, window = reader_pool()
     todo = iter(indices)
     ahead: deque[Future] = deque(pool.submit(read, i) for _, i in zip(range(window), todo))
     while ahead:
