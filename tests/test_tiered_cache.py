@@ -775,3 +775,35 @@ def test_an_archive_adopts_only_blocks_that_tile_its_positions() -> None:
     assert archive.length == 10 and torch.equal(archive.read(1)[2], k[:, :, 8:])
     with pytest.raises(ValueError, match="empty"):
         archive.adopt([])
+
+
+@pytest.mark.parametrize("layout", ["fixed", "fixed_short_last", "one_page", "uneven", "empty_page", "unsorted"])
+def test_page_summaries_fast_path_gives_the_scatters_numbers(layout) -> None:
+    """page_minmax reduces fixed-size pages in order over a reshaped view; every layout must give exactly what the
+    general scatter gives (including the pages it cannot take: uneven, empty, out of order)."""
+    import math
+
+    from docfuse.runtime.kv import summaries
+
+    torch.manual_seed(1)
+    t = {"fixed": 256, "fixed_short_last": 250, "one_page": 40}.get(layout, 256)
+    keys = torch.randn(2, 3, t, 8, dtype=torch.bfloat16)
+    ids = torch.arange(t) // 64 if layout != "one_page" else torch.zeros(t, dtype=torch.long)
+    if layout == "uneven":
+        ids = torch.searchsorted(torch.tensor([0, 50, 64 + 50, 200]), torch.arange(t), right=True) - 1
+    if layout == "empty_page":
+        ids = ids + (ids >= 2).long()
+    if layout == "unsorted":
+        ids = ids.flip(0)
+    pages = int(ids.max()) + 1
+
+    def scatter(k, page_ids, n):
+        b, h, _, d = k.shape
+        idx = page_ids.view(1, 1, -1, 1).expand(b, h, -1, d)
+        lo = torch.full((b, h, n, d), math.inf, dtype=k.dtype).scatter_reduce_(2, idx, k, "amin")
+        return lo, torch.full((b, h, n, d), -math.inf, dtype=k.dtype).scatter_reduce_(2, idx, k, "amax")
+
+    fast = summaries._fixed_page_size(ids, pages) is not None
+    assert fast == (layout in ("fixed", "fixed_short_last", "one_page"))
+    got, want = summaries.page_minmax(keys, ids, pages), scatter(keys, ids, pages)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
