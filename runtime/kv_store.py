@@ -91,7 +91,9 @@ class KVStore:
         fields = {"format": 1, "model": model_fingerprint(model), "dtype": str(model.dtype),
                   "device": device.type, "chunk": int(chunk_size), "tokens": len(ids)}
         if kind != "full":  # full entries keep the keys they had before tiered ones existed
-            fields.update(kind=kind, format=2)  # 2: the archive's blocks, not whole layers
+            from docfuse.runtime.kv.layer import ARCHIVE_BLOCK
+
+            fields.update(kind=kind, format=2, block=ARCHIVE_BLOCK)  # 2: the archive's blocks, not whole layers
         h.update(json.dumps(fields).encode())
         h.update(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes())
         if embeds is not None:

@@ -124,7 +124,7 @@ _READERS_LOCK = threading.Lock()
 
 
 def reader_pool() -> tuple[ThreadPoolExecutor, int]:
-    """The threads that unpack archive blocks for :meth:`ExactArchive.read_many` (one pool per process), and how
+    """The threads that unpack archive blocks for :func:`read_blocks` and the KV store (one pool per process), and how
     many blocks may wait unpacked."""
     global _READERS
     with _READERS_LOCK:
