@@ -32,11 +32,20 @@ def corpus_pdfs() -> list[Path]:
     return sorted(p for p in CORPUS.rglob("*.pdf") if not skip & set(p.parts))
 
 
+def code_version() -> str:
+    """HEAD's short hash, with ``+uncommitted`` when tracked code (results and notes aside) differs from it: a figure
+    must not be credited to a commit that lacks the change that made it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    changed = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+               if not line[3:].startswith("bench/results/") and not line[3:].endswith(".md")]
+    return git("rev-parse", "--short", "HEAD") + ("+uncommitted" if changed else "")
+
+
 def save(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"date": date.today().isoformat(), "machine": machine(),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip(), **result}
+    result = {"date": date.today().isoformat(), "machine": machine(), "commit": code_version(), **result}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=2))
     return path
