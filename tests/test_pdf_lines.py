@@ -185,15 +185,16 @@ def test_pdf_extract_reads_the_generated_set_in_order(tmp_path) -> None:
     for r in records:
         out = by_name[(Path(r["pdf"]).name, r["page"])]
         scores[r["family"]].append(score_page(r, out))
-        if r["family"] == "kv_forms" and ":" in r["truth"]:
-            assert not has_markdown_table(out), (r["pdf"], r["page"])  # label: value rows are text
+        if r["family"] == "kv_forms":  # label: value rows, and panels side by side at one pitch, are text
+            assert not has_markdown_table(out), (r["pdf"], r["page"])
 
     def mean(family: str, key: str) -> float:
         return sum(s[key] for s in scores[family]) / len(scores[family])
 
     assert mean("line_numbered", "similarity") >= 0.99
     assert mean("spaced_headings", "similarity") >= 0.97
-    assert mean("kv_forms", "similarity") >= 0.95  # 0.893 before a panel band ended at a heading below it
+    assert mean("kv_forms", "similarity") >= 0.97  # 0.893 before a panel band ended at a heading below it, 0.959
+    # before panels under their own titles stopped being read as one table (0.973 after)
     unbroken = sum(s["unbroken"] for s in scores["footnotes"]) / sum(s["sentences"] for s in scores["footnotes"])
     assert unbroken >= 0.99
 
