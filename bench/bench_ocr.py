@@ -106,6 +106,12 @@ def scan_pdf(page: pymupdf.Page, dpi: int, condition: str, path: Path, rng: rand
     return png
 
 
+def _default_ocr_dpi() -> float:
+    from docfuse.stages.pdf import PdfTextParams
+
+    return PdfTextParams.model_fields["ocr_dpi"].default
+
+
 def extract(paths: list[Path], **text_params) -> tuple[list[dict], float]:
     from docfuse import Pipeline
 
@@ -122,7 +128,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="name under bench/results/ (without .json)")
     parser.add_argument("--rapidocr", action="store_true", help="also time RapidOCR on the clean 300-dpi images")
     parser.add_argument("--ocr-dpi", type=int, default=None, help="pdf.text's ocr_dpi for the scans (default: "
-                        "the stage's own, 300)")
+                        "the stage's own)")
     args = parser.parse_args()
     ocr = {} if args.ocr_dpi is None else {"ocr_dpi": args.ocr_dpi}
     if not CORPUS.exists():
@@ -152,7 +158,7 @@ def main() -> None:
                     "born_digital": {"seconds_ocr_never": never_s, "seconds_ocr_auto": auto_s,
                                      "auto_over_never": auto_s / never_s,
                                      "ocr_pages_with_auto": sum(r["text_source"] == "ocr" for r in auto_rows)},
-                    "ocr_dpi": args.ocr_dpi or 300, "conditions": {}}
+                    "ocr_dpi": ocr.get("ocr_dpi", _default_ocr_dpi()), "conditions": {}}
     for condition, paths in scans.items():
         rows, seconds = extract(paths, **ocr)
         per = []

@@ -260,14 +260,13 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
     pool, _ = reader_pool()  # LZ4 and numpy release the GIL: the blocks unpack side by side
     tensors = list(pool.map(unpack_exact, [blob for pair in blocks for blob in pair]))
     for i, layer in enumerate(layers):
-        own = blocks[i * per: (i + 1) * per]
-        keys = tensors[2 * i * per: 2 * (i + 1) * per: 2]
-        values = tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
+        keys, values = tensors[2 * i * per: 2 * (i + 1) * per: 2], tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
         layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
-        starts = [0]
-        for k in keys:
-            starts.append(starts[-1] + k.shape[2])
-        layer.archive.adopt([(starts[j], starts[j + 1], kb, vb) for j, (kb, vb) in enumerate(own)])
+        adopted, start = [], 0
+        for k, (k_blob, v_blob) in zip(keys, blocks[i * per: (i + 1) * per]):
+            adopted.append((start, start + k.shape[2], k_blob, v_blob))
+            start += k.shape[2]
+        layer.archive.adopt(adopted)
     cache.peak_device = cache.device_bytes()
     return cache
 

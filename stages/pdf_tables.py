@@ -216,36 +216,32 @@ def unruled_tables(words: list[Word]) -> list[PageTable]:
     rows = [r for r in _rows(words) if r.words]
     tables: list[PageTable] = []
     run: list[_Row] = []
-    above: _Row | None = None  # the row just above the run
+    start = 0  # index of the run's first row in ``rows``
 
     def close() -> None:
         if len(run) >= MIN_ROWS:
-            table = _table_from_run(run, above)
+            table = _table_from_run(run, rows[start - 1] if start else None)
             if table is not None:
                 tables.append(table)
 
-    previous: _Row | None = None
-    for row in rows:
+    for i, row in enumerate(rows):
         if len(row.cells) < 2:
             close()
             run = []
-            previous = row
             continue
         if run:
             near = row.y0 - run[-1].y1 <= 1.5 * (run[-1].y1 - run[-1].y0)
             if near and len(_run_gaps(run + [row])) >= MIN_COLS - 1:
                 run.append(row)
-                previous = row
                 continue
             close()
-        run = [row] if len(row.cells) >= MIN_COLS else []
-        above = previous
-        previous = row
+        run, start = ([row] if len(row.cells) >= MIN_COLS else []), i
     close()
     return tables
 
 
 def _table_from_run(run: list[_Row], above: _Row | None = None) -> PageTable | None:
+    """The run as a table, unless it reads as something else; ``above``: the row just above the run."""
     gaps = _run_gaps(run)
     bounds = [(g0 + g1) / 2 for g0, g1 in gaps]
     n_cols = len(bounds) + 1

@@ -39,8 +39,6 @@ from typing import Any, Literal
 import torch
 
 from docfuse.runtime import metrics
-
-log = logging.getLogger("docfuse.engine")
 from docfuse.runtime.engine.pool import PagePool, PoolShape, SharedTiers, StreamPages, pages_for
 from docfuse.runtime.engine.step import BatchStep, step_supported
 from docfuse.runtime.kv import (KVConfig, QuestionRead, TieredCache, as_kv_config, prepare_question, read_question,
@@ -48,6 +46,7 @@ from docfuse.runtime.kv import (KVConfig, QuestionRead, TieredCache, as_kv_confi
 from docfuse.runtime.kv.background import DeviceArchive
 from docfuse.runtime.kv.config import resolve_budget
 
+log = logging.getLogger("docfuse.engine")
 #: The stats of the most recent :meth:`Engine.run` in this process (benchmarks read it through the pipeline).
 LAST_STATS: dict[str, Any] = {}
 #: Batch sizes a step is built (and on CUDA captured) for; the live streams run in the smallest that holds them.
