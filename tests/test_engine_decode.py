@@ -315,3 +315,92 @@ def test_questions_together_share_one_copy_of_the_documents_tiers() -> None:
     assert engine.stats["max_live"] >= 4 and engine.stats["max_live_documents"] >= 1
     assert len(engine.pool.free_core) == engine.pool.core_total
     assert len(engine.pool.free_assoc) == engine.pool.assoc_total
+
+
+def test_the_cascade_kernel_answers_as_session_under_the_triton_interpreter() -> None:
+    """kv.questions: together through the paged kernel (run by Triton's interpreter on the CPU): a document's streams
+    read its shared pages in one program each (the cascade), and every stream answers as Session does. A document
+    with more questions than one program serves takes two programs over the same pages."""
+    code = ("from tests.test_engine_decode import cascade_vs_plain, cascade_vs_session\n"
+            "print(cascade_vs_plain())\n"
+            "print(cascade_vs_session())\n")
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst, verdict = out.stdout.strip().splitlines()[-2:]
+    assert float(worst) < 1e-5 and verdict == "ok"
+
+
+def cascade_vs_session() -> str:
+    """Run by the test above under TRITON_INTERPRET=1: the engine's kernel path with shared tiers against Session."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from docfuse.runtime.engine import engine as engine_module
+
+    torch.manual_seed(3)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=256, max_position_embeddings=4096, rms_norm_eps=1e-5)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()  # heads of 32 channels: the kernel's smallest
+    kv = {**KV, "questions": "together"}
+    docs = [Document(ids(700, 2), [ids(12, 21), ids(9, 22), ids(14, 23)], max_new_tokens=6),
+            Document(ids(300, 1), [ids(9, 11)], max_new_tokens=5),
+            Document(ids(520, 4), [ids(10, 41), ids(7, 42)], max_new_tokens=4)]
+    expected = [together_alone(model, kv, list(d.prefix), [list(q) for q in d.questions], d.max_new_tokens, set())
+                for d in docs]
+    engine_module.MAX_MEMBERS = 2  # the three-question document needs two programs over its pages
+    engine = Engine(model, kv, set(), max_streams=8, archive="device")
+    got = engine.run(docs)
+    steps = list(engine.steps.values())
+    assert steps and all(s.kernel and s.members == 2 for s in steps), "the cascade kernel did not run"
+    answers = [[o.tokens for o in d] for d in got]
+    assert answers == expected, (answers, expected)
+    assert len(engine.pool.free_core) == engine.pool.core_total
+    return "ok"
+
+
+def cascade_vs_plain(device: str = "cpu") -> float:
+    """Largest relative difference between the cascade kernel and the plain kernel over the same rows' pages: three
+    streams on one document's shared pages (two table rows of at most two members), each with its own core pages
+    past them, a stream of its own, an idle row; then again after the counts advance a token."""
+    from docfuse.runtime.engine.pool import SharedTiers
+    from docfuse.runtime.engine.step import BatchStep
+    from docfuse.runtime.gpu.paged_kernel import cascade_decode_attention, paged_decode_attention
+
+    torch.manual_seed(1)
+    shape = PoolShape(layers=1, kv_heads=2, head_dim=32, dtype=torch.float32, key_bits=8, value_bits=4, group=32,
+                      page=32)
+    pool = PagePool(shape, 24, 12, device)
+    pool.core_k.normal_()
+    pool.core_v.normal_()
+    pool.key_codes.random_(0, 256)
+    pool.value_codes.random_(0, 256)
+    pool.key_scale.uniform_(0.01, 0.05)
+    pool.value_scale.uniform_(0.01, 0.05)
+    pool.key_zero.uniform_(-1, 1)
+    pool.value_zero.uniform_(-1, 1)
+    core, assoc = pool.allocate(3, 4)
+    shared = SharedTiers(core, assoc, n_core=3 * 32 + 5, n_assoc=110)
+    streams = []
+    for extra in (9, 40, 70):  # the document core's last 5 tokens, the question and the answer so far: own pages
+        own, _ = pool.allocate(-(-(5 + extra) // 32), 0)
+        streams.append(StreamPages(core + own, assoc, shared.n_core + extra, shared.n_assoc, shared))
+    alone_core, alone_assoc = pool.allocate(2, 2)
+    streams.insert(1, StreamPages(alone_core, alone_assoc, 50, 64))
+    step = BatchStep(None, pool, 8, core_width=6, assoc_width=4, members=2)
+    assert step.kernel and step.members == 2
+    step.bind([(p, 0, 0, p.n_core - 1) for p in streams])
+    worst = 0.0
+    for _ in range(2):
+        step.n_core += 1  # what the step does before attention: the token it feeds is in the core
+        step._counts()
+        q = torch.randn(8, 4, 32, device=device)
+        plain = paged_decode_attention(q, pool, 0, step.core_table, step.n_core, step.assoc_table, step.n_assoc,
+                                       32 ** -0.5, splits=2)
+        got = cascade_decode_attention(q, pool, 0, step.shared_tables, step.group_rows, step.own_tables, 32 ** -0.5,
+                                       splits=2)
+        worst = max(worst, float((got - plain).norm() / plain.norm()))
+    assert step.group_rows[:, :2].ne(-1).sum() == 8  # every row in one table row: 4 streams and 4 idle rows
+    return worst

@@ -54,6 +54,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GB = 1 << 30
 #: Share of the device memory left beside the run's streams that an open document's exact archive may take.
 ARCHIVE_ROOM_SHARE = 0.8
+#: Most streams one program of the cascade kernel serves (their query heads are the rows of one tile); a document
+#: with more questions takes more programs over the same pages.
+MAX_MEMBERS = 16
 
 
 @dataclass
@@ -322,6 +325,8 @@ class Engine:
         self.steps = {}
         self.stats = {"steps": 0, "max_live": 0, "max_live_documents": 0, "step_s": 0.0, "buckets": {}, "pool_bytes": pool.nbytes(),
                       "core_pages": pool.core_total, "assoc_pages": pool.assoc_total}
+        # kv.questions: together: a document's streams read its shared pages in one program (the cascade kernel)
+        members = min(MAX_MEMBERS, max((len(d.questions) for d in docs), default=1)) if self.together else 1
         queue = deque(i for i, d in enumerate(docs) if d.questions)
         live: list[_Stream] = []
         opened: _Open | None = None
@@ -373,7 +378,8 @@ class Engine:
             size = next(b for b in self.buckets if b >= len(live))
             step = self.steps.get(size)
             if step is None:
-                step = self.steps[size] = BatchStep(self.model, pool, size, core_width, assoc_width, self.graphs)
+                step = self.steps[size] = BatchStep(self.model, pool, size, core_width, assoc_width, self.graphs,
+                                                    members=members)
             if rebind:  # the bucket follows the live count, so an unchanged set keeps its step and its inputs
                 step.bind([(st.pages, st.token, st.position, st.core) for st in live])
                 rebind = False

@@ -14,6 +14,7 @@ with on the CPU (it reads the host's copy of the counts, so that path runs eager
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,8 +23,8 @@ import torch
 from docfuse.runtime.engine.pool import PagePool, StreamPages
 from docfuse.runtime.gpu import fused_ops
 from docfuse.runtime.gpu.decode_step import FUSED, llama_decoder
-from docfuse.runtime.gpu.paged_kernel import (HAS_TRITON, paged_decode_attention, paged_kernel_supports,
-                                              paged_splits)
+from docfuse.runtime.gpu.paged_kernel import (HAS_TRITON, cascade_decode_attention, paged_decode_attention,
+                                              paged_kernel_supports, paged_splits)
 from docfuse.runtime.kv.code_attention import code_attention
 from docfuse.runtime.llama_block import LlamaBlock, norm_eps
 
@@ -43,7 +44,10 @@ class PagedAttention:
         st, pool, i = self.step, self.step.pool, self.layer
         q = fused_ops.rope_write_rows(q[:, 0], k[:, 0], v[:, 0], self.cos, self.sin, pool.core_k[i], pool.core_v[i],
                                       st.write_rows)
-        if st.kernel:
+        if st.kernel and st.members > 1:
+            out = cascade_decode_attention(q, pool, i, st.shared_tables, st.group_rows, st.own_tables, self.scale,
+                                           st.splits)
+        elif st.kernel:
             out = paged_decode_attention(q, pool, i, st.core_table, st.n_core, st.assoc_table, st.n_assoc,
                                          self.scale, st.splits)
         else:
@@ -60,10 +64,13 @@ class BatchStep:
         size: batch rows (a bucket: the engine keeps one step per bucket it uses).
         core_width / assoc_width: page-table width, the most pages any stream has in each tier.
         graph: capture the step as a CUDA graph on the first run (CUDA and the kernel only).
+        members: the most streams that share one document's tiers (``kv.questions: together``: its questions). Above
+            1 the kernel reads each shared page once for all the streams on it (:func:`cascade_decode_attention`),
+            where the plain kernel reads it once per stream.
     """
 
     def __init__(self, model: Any, pool: PagePool, size: int, core_width: int, assoc_width: int,
-                 graph: bool = False) -> None:
+                 graph: bool = False, members: int = 1) -> None:
         self.model, self.pool, self.size = model, pool, size
         dev = pool.device
         s = pool.shape
@@ -74,9 +81,27 @@ class BatchStep:
         self.write_rows = torch.zeros(size, dtype=torch.long, device=dev)
         self.tok = torch.zeros(size, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(size, 1, dtype=torch.long, device=dev)
-        self.kernel = (HAS_TRITON and dev.type == "cuda"
+        # the kernel runs where Triton does: on CUDA, or anywhere under its interpreter (how CI tests it)
+        self.kernel = (HAS_TRITON and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
                        and paged_kernel_supports(s.head_dim, s.key_bits, s.value_bits, s.page, s.group, s.vgroup))
-        self.splits = paged_splits(size * s.kv_heads, max(core_width, assoc_width)) if self.kernel else 1
+        self.members = max(1, members) if self.kernel else 1
+        tables = -(-size // self.members)  # table rows with work when every document fills its members
+        self.splits = paged_splits(tables * s.kv_heads, max(core_width, assoc_width)) if self.kernel else 1
+        if self.members > 1:
+            i32 = dict(dtype=torch.int32, device=dev)
+            self.shared_tables = (torch.zeros(size, max(1, core_width), **i32), torch.zeros(size, **i32),
+                                  torch.zeros(size, max(1, assoc_width), **i32), torch.zeros(size, **i32))
+            self.group_rows = torch.full((size, self.members), -1, **i32)
+            self.own_tables = (torch.zeros(size, max(1, core_width), **i32), torch.zeros(size, **i32),
+                               torch.zeros(size, 1, **i32), torch.zeros(size, **i32))
+            # how the counts advance on the device: a table row of one stream follows that stream's core count
+            # (``follow``); a shared one keeps its document's whole pages (``fixed``); a stream on shared pages
+            # counts its own tokens past them (``past``)
+            self.follow = torch.zeros(size, dtype=torch.long, device=dev)
+            self.single = torch.zeros(size, dtype=torch.bool, device=dev)
+            self.fixed = torch.zeros(size, **i32)
+            self.past = torch.zeros(size, **i32)
+            self.on_shared = torch.zeros(size, dtype=torch.bool, device=dev)
         self.want_graph = graph and self.kernel
         self.graph: torch.cuda.CUDAGraph | None = None
         self.rows: list[StreamPages | None] = [None] * size
@@ -108,6 +133,58 @@ class BatchStep:
         for dst, src in ((self.core_table, ct), (self.assoc_table, at), (self.n_core, nc), (self.n_assoc, na),
                          (self.tok, tok), (self.pos, pos)):
             dst.copy_(src)
+        if self.members > 1:
+            self._bind_groups(ct, at, na)
+        self._counts()
+
+    def _bind_groups(self, ct: torch.Tensor, at: torch.Tensor, na: torch.Tensor) -> None:
+        """Table rows for the cascade: one per document's shared tiers (up to ``members`` streams each, more
+        streams take another row over the same pages), one per stream without them (idle rows included)."""
+        page = self.pool.shape.page
+        size = self.size
+        gct, gat = torch.zeros_like(ct), torch.zeros_like(at)
+        gna, fixed, past = (torch.zeros(size, dtype=torch.int32) for _ in range(3))
+        members = torch.full((size, self.members), -1, dtype=torch.int32)
+        follow = torch.zeros(size, dtype=torch.long)
+        single = torch.zeros(size, dtype=torch.bool)
+        oct_ = torch.zeros_like(self.own_tables[0], device="cpu")
+        on_shared = torch.zeros(size, dtype=torch.bool)
+        groups: dict[int, list[int]] = {}  # id(shared tiers) -> table rows serving them
+        n = 0
+        for r, pages in enumerate(self.rows):
+            shared = pages.shared if pages is not None else None
+            if shared is None:  # its own table row, all its pages (idle rows: the scratch page)
+                gct[n], gat[n], gna[n] = ct[r], at[r], na[r]
+                members[n, 0], follow[n], single[n] = r, r, True
+                n += 1
+                continue
+            rows = groups.setdefault(id(shared), [])
+            if not rows or int((members[rows[-1]] >= 0).sum()) == self.members:
+                whole = len(shared.core)
+                if whole:
+                    gct[n, :whole] = torch.tensor(shared.core, dtype=torch.int32)
+                if shared.assoc:
+                    gat[n, : len(shared.assoc)] = torch.tensor(shared.assoc, dtype=torch.int32)
+                gna[n], fixed[n] = shared.n_assoc, whole * page
+                rows.append(n)
+                n += 1
+            g = rows[-1]
+            members[g, int((members[g] >= 0).sum())] = r
+            own = pages.core[len(shared.core):]
+            if own:
+                oct_[r, : len(own)] = torch.tensor(own, dtype=torch.int32)
+            past[r], on_shared[r] = len(shared.core) * page, True
+        for dst, src in ((self.shared_tables[0], gct), (self.shared_tables[2], gat), (self.shared_tables[3], gna),
+                         (self.group_rows, members), (self.follow, follow), (self.single, single),
+                         (self.fixed, fixed), (self.own_tables[0], oct_), (self.past, past),
+                         (self.on_shared, on_shared)):
+            dst.copy_(src)
+
+    def _counts(self) -> None:
+        """The cascade's counts from the rows' core counts (on the device: the step advances them each token)."""
+        if self.members > 1:
+            self.shared_tables[1].copy_(torch.where(self.single, self.n_core[self.follow], self.fixed))
+            self.own_tables[1].copy_(torch.where(self.on_shared, self.n_core - self.past, 0))
 
     # ---- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -116,6 +193,7 @@ class BatchStep:
         index = (self.n_core // page).long().clamp_(max=self.core_table.shape[1] - 1).unsqueeze(1)
         self.write_rows.copy_(self.core_table.gather(1, index).squeeze(1).long() * page + (self.n_core % page).long())
         self.n_core += 1
+        self._counts()
         base = self.model.model
         x = base.embed_tokens(self.tok)  # [B, 1, hidden]
         cos, sin = base.rotary_emb(x, position_ids=self.pos)  # [B, 1, D]

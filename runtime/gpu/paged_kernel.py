@@ -69,21 +69,27 @@ if HAS_TRITON:
         KC, VC, s_ct, s_ch, CT, s_ctb, NC,
         AKC, s_akt, s_akh, AKS, AKZ, s_kst, s_ksh,
         AVC, s_avt, s_avh, AVS, AVZ, s_vst, s_vsh,
-        AT, s_atb, NA,
-        M_OUT, L_OUT, ACC_OUT, n_split, hkv, qk_scale,
-        GQ: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+        AT, s_atb, NA, MT,
+        M_OUT, L_OUT, ACC_OUT, n_split, split_at, splits_out, hkv, qk_scale,
+        GQ: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
         KGROUP: tl.constexpr, VGROUP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr,
         PRECISE: tl.constexpr,
     ):
+        # program: (table row b, KV head h, split); its query rows are the GQ heads of h of each of the MEMBERS batch
+        # rows MT[b] lists (-1: none), so the pages of a table row shared by several streams are read once for all
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // hkv
         h = pid_bh % hkv
-        g = tl.arange(0, BLOCK_G)
+        j = tl.arange(0, BLOCK_G)
+        member = j // GQ
+        g = j % GQ
         d = tl.arange(0, D)
         n = tl.arange(0, PAGE)
-        g_ok = g < GQ
-        q = tl.load(Q + b * s_qb + (h * GQ + g)[:, None] * s_qh + d[None, :], mask=g_ok[:, None], other=0.0).to(DOT)
+        mrow = tl.load(MT + b * MEMBERS + member, mask=member < MEMBERS, other=-1)
+        g_ok = (member < MEMBERS) & (mrow >= 0)
+        q = tl.load(Q + mrow[:, None] * s_qb + (h * GQ + g)[:, None] * s_qh + d[None, :], mask=g_ok[:, None],
+                    other=0.0).to(DOT)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -127,7 +133,7 @@ if HAS_TRITON:
             v = tl.load(VC + off, mask=t_ok[:, None], other=0.0).to(DOT)
             m_i, l_i, acc = _attend_tile(q, k, v, t_ok, m_i, l_i, acc, qk_scale, DOT, PRECISE)
 
-        row = (b * hkv * GQ + h * GQ + g) * n_split + pid_s
+        row = (mrow * hkv * GQ + h * GQ + g) * splits_out + split_at + pid_s
         tl.store(M_OUT + row, m_i, mask=g_ok)
         tl.store(L_OUT + row, l_i, mask=g_ok)
         tl.store(ACC_OUT + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
@@ -147,30 +153,67 @@ def paged_decode_attention(q: torch.Tensor, pool, layer: int, core_table: torch.
     :class:`~runtime.engine.pool.PagePool`) at ``layer``; tables [B, W] int32, counts [B] int32; -> [B, Hq, D].
 
     Every row must have at least one token (idle rows point at the scratch page with a count of one or more)."""
+    b, hq, dim = q.shape
+    m, l, acc = _partials(q, splits)
+    q = q.contiguous()
+    rows = torch.arange(b, dtype=torch.int32, device=q.device).unsqueeze(1)
+    _launch(q, pool, layer, core_table, n_core, assoc_table, n_assoc, rows, (m, l, acc), 0, splits, scale)
+    return combine_splits(m, l, acc, q.dtype)
+
+
+def cascade_decode_attention(q: torch.Tensor, pool, layer: int, shared: tuple[torch.Tensor, ...],
+                             members: torch.Tensor, own: tuple[torch.Tensor, ...], scale: float,
+                             splits: int, own_splits: int = 1) -> torch.Tensor:
+    """Paged attention where batch rows share pages: the streams of one document's questions
+    (``kv.questions: together``) read the same association pages and the same whole core pages.
+
+    ``shared`` = (core table, core counts, association table, association counts) [G, W] / [G] of G table rows,
+    ``members`` [G, M] int32 the batch rows that read each table row (-1: none; every batch row in exactly one table
+    row), ``own`` = the same four of each batch row's pages past the shared ones [B, W'] / [B] (counts may be 0).
+    One program per (table row, KV head, split) reads a shared page once for all its members' query heads (the
+    cascade of shared-prefix decoding), a second pass reads each row's own pages, and the splits of both merge per
+    row. Equals :func:`paged_decode_attention` over each row's concatenated pages to float rounding."""
+    b = q.shape[0]
+    m, l, acc = _partials(q, splits + own_splits)
+    q = q.contiguous()
+    rows = torch.arange(b, dtype=torch.int32, device=q.device).unsqueeze(1)
+    _launch(q, pool, layer, *shared, members, (m, l, acc), 0, splits, scale)
+    _launch(q, pool, layer, *own, rows, (m, l, acc), splits, own_splits, scale)
+    return combine_splits(m, l, acc, q.dtype)
+
+
+def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, hq, dim = q.shape
+    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    return m, torch.empty_like(m), torch.empty(b, hq, splits, dim, dtype=torch.float32, device=q.device)
+
+
+def _launch(q: torch.Tensor, pool, layer: int, core_table: torch.Tensor, n_core: torch.Tensor,
+            assoc_table: torch.Tensor, n_assoc: torch.Tensor, members: torch.Tensor,
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], split_at: int, splits: int, scale: float) -> None:
+    """One kernel launch over the table rows of ``core_table``/``assoc_table``, writing splits ``split_at ..
+    split_at + splits`` of each member row's partials in ``out``."""
     if not HAS_TRITON:
         raise RuntimeError("paged_decode_attention needs Triton; use runtime.engine.attention's reference path")
     s = pool.shape
-    b, hq, dim = q.shape
+    hq, dim = q.shape[1], q.shape[2]
     hkv = s.kv_heads
     gq = hq // hkv
     kc, vc = pool.core_k[layer], pool.core_v[layer]
     akc, aks, akz = pool.key_codes[layer], pool.key_scale[layer], pool.key_zero[layer]
     avc, avs, avz = pool.value_codes[layer], pool.value_scale[layer], pool.value_zero[layer]
-    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(b, hq, splits, dim, dtype=torch.float32, device=q.device)
-    q = q.contiguous()
+    m, l, acc = out
     precise = q.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1"
-    _paged_kernel[(b * hkv, splits)](
+    groups, per = members.shape
+    _paged_kernel[(groups * hkv, splits)](
         q, q.stride(0), q.stride(1),
         kc, vc, kc.stride(0), kc.stride(1), core_table, core_table.stride(0), n_core,
         akc, akc.stride(0), akc.stride(1), aks, akz, aks.stride(0), aks.stride(1),
         avc, avc.stride(0), avc.stride(1), avs, avz, avs.stride(0), avs.stride(1),
-        assoc_table, assoc_table.stride(0), n_assoc,
-        m, l, acc, splits, hkv, scale * LOG2E,
-        GQ=gq, BLOCK_G=max(16, triton.next_power_of_2(gq)), PAGE=s.page, D=dim,
+        assoc_table, assoc_table.stride(0), n_assoc, members.contiguous(),
+        m, l, acc, splits, split_at, m.shape[2], hkv, scale * LOG2E,
+        GQ=gq, MEMBERS=per, BLOCK_G=max(16, triton.next_power_of_2(gq * per)), PAGE=s.page, D=dim,
         KGROUP=s.group, VGROUP=s.vgroup, KBITS=s.key_bits, VBITS=s.value_bits,
         DOT=tl.float32 if precise else _dot_dtype(), PRECISE=precise,
         num_warps=8 if s.page >= 128 else 4, num_stages=2,
     )
-    return combine_splits(m, l, acc, q.dtype)
