@@ -6,6 +6,7 @@ Store-level tests use a tiny random Llama; one slow test runs the embedded model
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import warnings
@@ -138,6 +139,25 @@ def test_damaged_entries_are_never_used(tmp_path):
         else:
             assert all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(got, good) for a, b in ((ka, kb), (va, vb)))
     assert refused == 1000
+
+
+def test_entries_of_the_previous_file_format_are_listed_and_never_read(tmp_path):
+    """Format 1 entries (SHA-256) are not looked up under today's keys, show as old in the listing, and go with
+    prune."""
+    from docfuse.runtime.kv_store import MAGIC, OLD_MAGICS
+
+    model = tiny()
+    store = KVStore(tmp_path)
+    key = store.key(model, IDS[:20], chunk_size=16)
+    store.save(key, cache_layers(prefilled(model, IDS[:20])))
+    old = store.path("0" * 64)
+    old.write_bytes(OLD_MAGICS[0] + store.path(key).read_bytes()[len(MAGIC):])
+    os.utime(old, (old.stat().st_mtime - 3600,) * 2)  # written by an earlier release
+    listed = {e.path.name: e.source for e in store.entries()}
+    assert listed[old.name] == "(old format, not used)" and listed[store.path(key).name] == ""
+    assert store.load(key) is not None
+    size = old.stat().st_size
+    assert store.prune(max_bytes=store.path(key).stat().st_size) == (1, size) and not old.exists()
 
 
 def test_concurrent_writers_leave_one_whole_entry(tmp_path):
