@@ -16,13 +16,15 @@ most ``max_bytes``, least recently used entries going first.
 The CPU ``Session`` stores full caches (``kv: null``, the default of ``docfuse ask`` and the QA pipelines) and tiered
 caches after a token-major prefill (``kv.prefill: tokens``, the CPU default: every token is still exact in the core
 then, and each question re-tiers from it). A layer-major prefill (tiered while it runs) and the GPU engine prefill as
-before.
+before. Entries are memory-mapped when loaded: a tiered cache's background archive adopts the stored blocks as views
+of the file, so they are read from disk when a question reads them back and take no memory of the process's own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 import tempfile
@@ -146,7 +148,7 @@ class KVStore:
         it (the caller prefills again): a damaged entry is never used."""
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            data = _map(path)
         except FileNotFoundError:
             self.misses += 1
             return None
@@ -211,10 +213,21 @@ class KVStore:
         return gone, freed
 
 
-def _decode(data: bytes, blobs: bool = False) -> list[tuple[Any, Any]]:
-    """Check and unpack one entry's bytes (``blobs``: check them, leave them packed); raises ValueError on any
-    mismatch."""
-    if len(data) < len(MAGIC) + 8 + _DIGEST or not data.startswith(MAGIC):
+def _map(path: Path) -> mmap.mmap | bytes:
+    """The entry's bytes, memory-mapped read-only: packed blocks that a tiered cache's archive adopts stay in the
+    file, read by the operating system when a question reads them back and dropped by it under memory pressure,
+    instead of living in the process's own memory. Safe against the store's writers: they replace an entry by
+    renaming a new file over it, never by writing into the mapped one."""
+    with path.open("rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""  # mmap refuses empty files; _decode refuses this one
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _decode(data: bytes | mmap.mmap, blobs: bool = False) -> list[tuple[Any, Any]]:
+    """Check and unpack one entry's bytes (``blobs``: check them, leave them packed, as views of ``data``); raises
+    ValueError on any mismatch."""
+    if len(data) < len(MAGIC) + 8 + _DIGEST or data[: len(MAGIC)] != MAGIC:
         raise ValueError("not a docfuse KV store entry, or truncated")
     # views, not slices: an entry is a hundred megabytes, and its planes are read where they lie in ``data``
     body, digest = memoryview(data)[:-_DIGEST], data[-_DIGEST:]

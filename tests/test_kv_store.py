@@ -6,6 +6,7 @@ Store-level tests use a tiny random Llama; one slow test runs the embedded model
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import threading
@@ -80,6 +81,9 @@ def test_a_stored_tiered_prefill_answers_bit_for_bit_as_a_fresh_one(tmp_path, dt
     loaded = fill_tiered(make_cache(model.config, kv), store.load(key, blobs=True), torch.device("cpu"))
     # the archive came packed from the store: the first re-tier finds every position archived already
     assert all(layer.archive.length == len(ids) for layer in loaded.layers)
+    # ... and its blocks are views of the memory-mapped entry, not copies in the process's memory
+    planes = [p for layer in loaded.layers for b in layer.archive.blocks for p in (*b.keys.planes, *b.values.planes)]
+    assert planes and all(isinstance(p, memoryview) and isinstance(p.obj, mmap.mmap) for p in planes)
     runs = []
     for cache in (fresh(), loaded):
         out = []
