@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", choices=["each", "together"], default="each",
                         help="kv.questions: each question re-tiers alone, or a document's questions share one re-tier "
                         "and one copy of its tiers (workloads are then kept as NAME_together)")
+    parser.add_argument("--kv", default=None, help="the engine's kv: block as JSON instead of the bench's budgets "
+                        "(for example '{}': KVConfig's defaults, chosen by fidelity); workloads are then kept as "
+                        "NAME_kv")
     parser.add_argument("--anchor-tokens", type=int, nargs="+", default=[32768, 131072 - 2048],
                         help="prompt lengths of the StaticCache-graph anchor (static_anchor)")
     args = parser.parse_args(argv)
@@ -306,12 +309,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s %(message)s", level=logging.WARNING)
     logging.getLogger("docfuse.engine").setLevel(logging.INFO)
 
-    kv = {**KV, "questions": args.questions}
-    suffix = "" if args.questions == "each" else "_" + args.questions
+    budgets = KV if args.kv is None else {"prefill": "tokens", **json.loads(args.kv)}
+    kv = {**budgets, "questions": args.questions}
+    suffix = ("" if args.questions == "each" else "_" + args.questions) + ("" if args.kv is None else "_kv")
 
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     result.update({"card": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
-                   "model": "Llama-3.1-8B shape, random bf16 weights, SmolLM2 tokenizer", "kv": KV,
+                   "model": "Llama-3.1-8B shape, random bf16 weights, SmolLM2 tokenizer", "kv": budgets,
                    "new_tokens": args.new_tokens, "command": "python bench/bench_gpu_pipeline.py " +
                    " ".join(sys.argv[1:] if argv is None else argv)})
     result.setdefault("workloads", {})
