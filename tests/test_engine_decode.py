@@ -126,20 +126,22 @@ def test_what_the_engine_does_not_serve_is_named() -> None:
         Engine(model, {**KV, "differential": True}, set())
 
 
-def test_the_paged_kernel_matches_the_reference_under_the_triton_interpreter() -> None:
+def under_triton_interpreter(code: str, timeout: int = 900) -> list[str]:
+    """Run ``code`` in a new Python with ``TRITON_INTERPRET=1`` (Triton kernels on the CPU); its output lines."""
     pytest.importorskip("triton")
-    code = (
-        "import torch\n"
-        "from tests.test_engine_decode import kernel_vs_reference\n"
-        "print(kernel_vs_reference())\n")
     # the repository goes last: an installed docfuse (editable here, a target folder on a lent GPU) must win
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
-    worst = float(out.stdout.strip().splitlines()[-1])
-    assert worst < 1e-4
+    return out.stdout.strip().splitlines()
+
+
+def test_the_paged_kernel_matches_the_reference_under_the_triton_interpreter() -> None:
+    lines = under_triton_interpreter("from tests.test_engine_decode import kernel_vs_reference\n"
+                                     "print(kernel_vs_reference())\n", timeout=600)
+    assert float(lines[-1]) < 1e-4
 
 
 def kernel_vs_reference() -> float:
@@ -321,15 +323,10 @@ def test_the_cascade_kernel_answers_as_session_under_the_triton_interpreter() ->
     """kv.questions: together through the paged kernel (run by Triton's interpreter on the CPU): a document's streams
     read its shared pages in one program each (the cascade), and every stream answers as Session does. A document
     with more questions than one program serves takes two programs over the same pages."""
-    code = ("from tests.test_engine_decode import cascade_vs_plain, cascade_vs_session\n"
-            "print(cascade_vs_plain())\n"
-            "print(cascade_vs_session())\n")
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    worst, verdict = out.stdout.strip().splitlines()[-2:]
+    worst, verdict = under_triton_interpreter("from tests.test_engine_decode import cascade_vs_plain, "
+                                              "cascade_vs_session\n"
+                                              "print(cascade_vs_plain())\n"
+                                              "print(cascade_vs_session())\n")[-2:]
     assert float(worst) < 1e-5 and verdict == "ok"
 
 
