@@ -44,9 +44,11 @@ def code_version() -> str:
 
 
 def save(name: str, result: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Write ``result`` (with date, machine and code version) to ``bench/results/NAME.json``; a ``name`` ending in
+    ``.json`` is taken as the file's path instead."""
     result = {"date": date.today().isoformat(), "machine": machine(), "commit": code_version(), **result}
-    path = RESULTS / f"{name}.json"
+    path = Path(name) if str(name).endswith(".json") else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     return path
 
