@@ -145,3 +145,41 @@ def test_overlapping_decodes_keep_the_swap_until_the_last_ends() -> None:
         assert model.config._attn_implementation == ca.ATTN_NAME  # the first decode still reads codes
         assert first.layers[0].read_codes and not second.layers[0].read_codes
     assert model.config._attn_implementation == "sdpa" and not first.layers[0].read_codes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_masked_pass_reads_grouped_heads_in_place_bit_for_bit(dtype, monkeypatch) -> None:
+    """A question read over a document (several tokens, a mask) through docfuse's attention gives the logits of
+    transformers' SDPA, which copies each KV head for its query heads, bit for bit, while SDPA reads the grouped
+    heads in place (``enable_gqa``)."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=256, max_position_embeddings=1024)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval().to(dtype)
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(1))
+    grouped = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        grouped.append(kwargs.get("enable_gqa", False))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    logits = []
+    for swap in (False, True):
+        cache = DynamicCache(config=config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :280], **{cache_kwarg(model): cache}, use_cache=True)
+            grouped.clear()
+            if swap:
+                with ca.swapped_attention(model) as on:
+                    assert on
+                    out = model(input_ids=ids[:, 280:], **{cache_kwarg(model): cache}, use_cache=True)
+            else:
+                out = model(input_ids=ids[:, 280:], **{cache_kwarg(model): cache}, use_cache=True)
+        logits.append(out.logits)
+        assert grouped and all(g == swap for g in grouped)  # transformers copied the heads; docfuse did not
+    assert torch.equal(logits[0], logits[1])
