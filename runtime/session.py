@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from docfuse.runtime import metrics
 from docfuse.runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question, read_question
-from docfuse.runtime.kv.code_attention import reading_codes
+from docfuse.runtime.kv.code_attention import grouped_sdpa, reading_codes
 from docfuse.runtime.kv.queries import record_queries
 from docfuse.runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
 from docfuse.runtime.pruning import Pruner, PruningConfig, find_head
@@ -463,8 +463,10 @@ def forward_tokens(model: Any, cache: Any, ids: Sequence[int], embeds: torch.Ten
     past = cache.get_seq_length()
     device = next(model.parameters()).device
     positions = torch.arange(past, past + len(ids), device=device).unsqueeze(0)
-    out = model(**_inputs(model, ids, embeds), position_ids=positions, use_cache=True, logits_to_keep=1,
-                **{cache_kwarg(model): cache})
+    # several tokens over a cache (a prefill chunk, a question): grouped K/V heads read in place on the CPU
+    with grouped_sdpa(model) if len(ids) > 1 else contextlib.nullcontext():
+        out = model(**_inputs(model, ids, embeds), position_ids=positions, use_cache=True, logits_to_keep=1,
+                    **{cache_kwarg(model): cache})
     return out.logits[0, -1]
 
 

@@ -183,3 +183,20 @@ def test_a_masked_pass_reads_grouped_heads_in_place_bit_for_bit(dtype, monkeypat
         logits.append(out.logits)
         assert grouped and all(g == swap for g in grouped)  # transformers copied the heads; docfuse did not
     assert torch.equal(logits[0], logits[1])
+    # the session's own forward (prefill chunks, a full cache's question) takes the same path
+    import contextlib
+
+    from docfuse.runtime import session
+
+    last = []
+    for swap in (False, True):
+        with monkeypatch.context() as m:
+            if not swap:
+                m.setattr(session, "grouped_sdpa", lambda model: contextlib.nullcontext())
+            cache = DynamicCache(config=config)
+            with torch.no_grad():
+                session.forward_tokens(model, cache, ids[0, :280].tolist())
+                grouped.clear()
+                last.append(session.forward_tokens(model, cache, ids[0, 280:].tolist()))
+        assert grouped and all(g == swap for g in grouped)
+    assert torch.equal(last[0], last[1])

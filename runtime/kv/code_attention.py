@@ -224,6 +224,18 @@ def swapped_attention(model: torch.nn.Module) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
+def grouped_sdpa(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: a model on the CPU reads grouped-query K/V heads in place in masked passes (:func:`sdpa_forward`,
+    the same numbers as transformers' SDPA); on other devices nothing changes."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu":
+        yield
+        return
+    with swapped_attention(model):
+        yield
+
+
+@contextlib.contextmanager
 def reading_codes(model: torch.nn.Module, cache: Any) -> Iterator[bool]:
     """Inside: one-token steps of ``cache`` (a TieredCache) attend to the packed codes directly.
 

@@ -107,12 +107,12 @@ def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor
     prefix = cache.get_seq_length()
     kwargs = _last_logits_kwargs(model, cache)
     positions = torch.arange(prefix, prefix + question_ids.shape[1], device=question_ids.device).unsqueeze(0)
-    from docfuse.runtime.kv.code_attention import swapped_attention  # its SDPA reads grouped K/V heads in place
+    from docfuse.runtime.kv.code_attention import grouped_sdpa
 
     # each layer re-tiers inside the pass, from the exact read its attention just made (one archive read, not two)
     with torch.no_grad(), cache.exact_view(retier_from=prefix), record_queries(model, cache,
                                                                              tokens=cache.kv.query_tokens), \
-            swapped_attention(model):
+            grouped_sdpa(model):
         out = model(input_ids=question_ids, position_ids=positions, use_cache=True, **kwargs)
     return out.logits[0, -1]
 
@@ -183,10 +183,10 @@ def read_questions(model: torch.nn.Module, cache: Any, questions: Sequence[Seque
     kwargs = {cache_kwarg(model): cache}
     cache.record_limit = total
     try:
-        from docfuse.runtime.kv.code_attention import swapped_attention  # grouped K/V heads read in place
+        from docfuse.runtime.kv.code_attention import grouped_sdpa
 
         with torch.no_grad(), cache.exact_view(retier_from=prefix, select_queries=own_queries), \
-                record_queries(model, cache, tokens=total), swapped_attention(model):
+                record_queries(model, cache, tokens=total), grouped_sdpa(model):
             out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
     finally:
         cache.record_limit = None
