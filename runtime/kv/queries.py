@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from docfuse.runtime.kv.code_attention import grouped_sdpa
 from docfuse.runtime.llama_block import rope
 
 
@@ -88,7 +89,7 @@ def prepare_question(model: torch.nn.Module, cache: Any, question_ids: torch.Ten
     prefix = cache.get_seq_length()
     kwargs = _last_logits_kwargs(model, cache)  # only the queries matter here
     tokens = getattr(getattr(cache, "kv", None), "query_tokens", 64)
-    with torch.no_grad(), record_queries(model, cache, tokens=tokens):
+    with torch.no_grad(), record_queries(model, cache, tokens=tokens), grouped_sdpa(model):
         model(input_ids=question_ids, use_cache=True, **kwargs)
     queries = cache.take_queries()
     cache.rollback(prefix)
@@ -107,8 +108,6 @@ def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor
     prefix = cache.get_seq_length()
     kwargs = _last_logits_kwargs(model, cache)
     positions = torch.arange(prefix, prefix + question_ids.shape[1], device=question_ids.device).unsqueeze(0)
-    from docfuse.runtime.kv.code_attention import grouped_sdpa
-
     # each layer re-tiers inside the pass, from the exact read its attention just made (one archive read, not two)
     with torch.no_grad(), cache.exact_view(retier_from=prefix), record_queries(model, cache,
                                                                              tokens=cache.kv.query_tokens), \
@@ -183,8 +182,6 @@ def read_questions(model: torch.nn.Module, cache: Any, questions: Sequence[Seque
     kwargs = {cache_kwarg(model): cache}
     cache.record_limit = total
     try:
-        from docfuse.runtime.kv.code_attention import grouped_sdpa
-
         with torch.no_grad(), cache.exact_view(retier_from=prefix, select_queries=own_queries), \
                 record_queries(model, cache, tokens=total), grouped_sdpa(model):
             out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
