@@ -323,7 +323,8 @@ class Engine:
         core_width = max((w[0] for w in widths), default=1)
         assoc_width = max((w[1] for w in widths), default=1)
         self.steps = {}
-        self.stats = {"steps": 0, "max_live": 0, "max_live_documents": 0, "step_s": 0.0, "buckets": {}, "pool_bytes": pool.nbytes(),
+        self.stats = {"steps": 0, "max_live": 0, "max_live_documents": 0, "step_s": 0.0, "capture_s": 0.0,
+                      "buckets": {}, "pool_bytes": pool.nbytes(),
                       "core_pages": pool.core_total, "assoc_pages": pool.assoc_total}
         # kv.questions: together: a document's streams read its shared pages in one program (the cascade kernel)
         members = min(MAX_MEMBERS, max((len(d.questions) for d in docs), default=1)) if self.together else 1
@@ -383,6 +384,9 @@ class Engine:
             if rebind:  # the bucket follows the live count, so an unchanged set keeps its step and its inputs
                 step.bind([(st.pages, st.token, st.position, st.core) for st in live])
                 rebind = False
+                c0 = time.perf_counter()
+                step.capture()  # a bucket's first use takes its graph here, outside the steps' time
+                self.stats["capture_s"] += time.perf_counter() - c0
             t0 = time.perf_counter()
             tokens = step.run()[: len(live), 0].tolist()  # waits for the device
             seconds = time.perf_counter() - t0

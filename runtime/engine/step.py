@@ -207,10 +207,16 @@ class BatchStep:
         self.tok.copy_(self.logits.argmax(-1, keepdim=True))
         self.pos += 1
 
-    def run(self) -> torch.Tensor:
-        """Decode one token for every row; returns the ``[size, 1]`` tokens (overwritten by the next run)."""
+    def capture(self) -> None:
+        """Capture the step's CUDA graph now, from the bound inputs (nothing where no graph is taken). The engine
+        calls it before it times a bucket's first step: a capture costs a warm-up step and the recording, a one-off
+        that is not decode time."""
         if self.want_graph and self.graph is None:
             self._capture()
+
+    def run(self) -> torch.Tensor:
+        """Decode one token for every row; returns the ``[size, 1]`` tokens (overwritten by the next run)."""
+        self.capture()
         if self.graph is not None:
             self.graph.replay()
         else:
