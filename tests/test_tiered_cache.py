@@ -590,7 +590,7 @@ def test_dequantize_into_a_buffer_view_matches_dequantize(bits: int, length: int
 def test_retier_shortcuts_give_the_sorts_and_gathers_numbers() -> None:
     """The re-tier's faster forms (page-level ranks, row selects, mask-ordered positions, keys read pre-padded) must
     give exactly what the argsorts, gathers, sorts and padding copy they replace give: fidelity was measured on those."""
-    from docfuse.runtime.kv.layer import _ascending, _page_rank, _rows
+    from docfuse.runtime.kv.layer import _ascending, _page_rank, _rows, _top_mask
 
     g = torch.Generator().manual_seed(0)
     for trial in range(50):
@@ -607,6 +607,16 @@ def test_retier_shortcuts_give_the_sorts_and_gathers_numbers() -> None:
         chosen = torch.stack([torch.stack([torch.randperm(30, generator=g)[:7] for _ in range(3)]) for _ in range(2)])
         assert torch.equal(_rows(x, chosen), x.gather(2, chosen.unsqueeze(-1).expand(-1, -1, -1, 8)))
         assert torch.equal(_ascending(chosen, 30), chosen.sort(dim=-1).values)
+    for trial in range(200):  # the core chosen by a partial selection: the first k of the stable sort, as a set
+        t = int(torch.randint(1, 400, (1,), generator=g))
+        k = int(torch.randint(0, t + 1, (1,), generator=g))
+        priority = torch.randint(0, 5, (2, 3, t), generator=g).double() / 4  # ties within and across heads
+        priority[..., :4] = priority[..., -3:] = float("inf")  # forced tokens: ties at infinity
+        if trial % 2:
+            priority += torch.rand(2, 3, t, generator=g, dtype=torch.float64)
+        order = torch.sort(-priority, dim=-1, stable=True).indices[..., :k]
+        first_k = torch.zeros_like(priority, dtype=torch.bool).scatter_(2, order, True)
+        assert torch.equal(_top_mask(priority, k), first_k), trial
     keys = torch.randn(1, 2, 45, 16, generator=g)
     padded = torch.cat([keys, keys[:, :, -1:].expand(-1, -1, 19, -1)], dim=2)
     for bits in (4, 8):
