@@ -78,7 +78,7 @@ def prefill_times(model, ids: list[int], kv: dict) -> dict:
     out = {}
     for name, make in (("dynamic", lambda: DynamicCache(config=model.config)),
                        ("tiered", lambda: TieredCache(model.config, kv))):
-        for chunk in (8192, len(ids)):
+        for chunk in (512, 8192, len(ids)):
             times = []
             for _ in range(2):
                 cache = make()
