@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
+import torch
 from pydantic import ValidationError
 
 from docfuse.pipelines.registry import find_stage
@@ -51,10 +52,21 @@ def test_registered_with_its_contract():
     ({"truncate": "middle"}, "none"),
     ({"dtype": "int8"}, "bfloat16"),
     ({"kv_bits": 4}, "Extra inputs"),
+    ({"prefill_chunk": 0}, "positive token count, or auto"),
+    ({"prefill_chunk": "big"}, "auto"),
 ])
 def test_bad_params_are_refused_with_the_reason(params, message):
     with pytest.raises(ValidationError, match=message):
         stage("q", **params)
+
+
+def test_prefill_chunk_auto_is_the_devices_default_and_a_number_is_kept():
+    from docfuse.stages.decode import prefill_chunk_for
+
+    assert stage("q").params.prefill_chunk == "auto"
+    assert prefill_chunk_for("auto", "cpu") == 512 and prefill_chunk_for("auto", "cuda:0") == 8192
+    assert prefill_chunk_for("auto", torch.device("cuda", 1)) == 8192 and prefill_chunk_for("auto", "mps") == 512
+    assert prefill_chunk_for(64, "cuda") == 64 and stage("q", prefill_chunk=64).params.prefill_chunk == 64
 
 
 def test_questions_list_wins_over_question():
