@@ -23,8 +23,8 @@ import torch
 from docfuse.runtime.engine.pool import PagePool, StreamPages
 from docfuse.runtime.gpu import fused_ops
 from docfuse.runtime.gpu.decode_step import FUSED, llama_decoder
-from docfuse.runtime.gpu.paged_kernel import (HAS_TRITON, cascade_decode_attention, paged_decode_attention,
-                                              paged_kernel_supports, paged_splits)
+from docfuse.runtime.gpu.paged_kernel import (HAS_TRITON, cascade_decode_attention, identity_rows,
+                                              paged_decode_attention, paged_kernel_supports, paged_splits)
 from docfuse.runtime.kv.code_attention import code_attention
 from docfuse.runtime.llama_block import LlamaBlock, norm_eps
 
@@ -46,10 +46,10 @@ class PagedAttention:
                                       st.write_rows)
         if st.kernel and st.members > 1:
             out = cascade_decode_attention(q, pool, i, st.shared_tables, st.group_rows, st.own_tables, self.scale,
-                                           st.splits)
+                                           st.splits, rows=st.identity)
         elif st.kernel:
             out = paged_decode_attention(q, pool, i, st.core_table, st.n_core, st.assoc_table, st.n_assoc,
-                                         self.scale, st.splits)
+                                         self.scale, st.splits, rows=st.identity)
         else:
             out = st.reference_attention(q, i, self.scale)
         return out.unsqueeze(1)
@@ -81,6 +81,7 @@ class BatchStep:
         self.write_rows = torch.zeros(size, dtype=torch.long, device=dev)
         self.tok = torch.zeros(size, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(size, 1, dtype=torch.long, device=dev)
+        self.identity = identity_rows(size, dev)  # each row its own table row (the kernel's member table)
         # the kernel runs where Triton does: on CUDA, or anywhere under its interpreter (how CI tests it)
         self.kernel = (HAS_TRITON and (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
                        and paged_kernel_supports(s.head_dim, s.key_bits, s.value_bits, s.page, s.group, s.vgroup))

@@ -148,22 +148,23 @@ def paged_splits(batch_heads: int, max_pages: int, sms: int | None = None) -> in
 
 def paged_decode_attention(q: torch.Tensor, pool, layer: int, core_table: torch.Tensor, n_core: torch.Tensor,
                            assoc_table: torch.Tensor, n_assoc: torch.Tensor, scale: float,
-                           splits: int) -> torch.Tensor:
+                           splits: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` [B, Hq, D] over each row's association and core pages of ``pool`` (a
     :class:`~runtime.engine.pool.PagePool`) at ``layer``; tables [B, W] int32, counts [B] int32; -> [B, Hq, D].
+    ``rows``: :func:`identity_rows` of B, when the caller keeps one (a captured step: no kernel to make it).
 
     Every row must have at least one token (idle rows point at the scratch page with a count of one or more)."""
     b, hq, dim = q.shape
     m, l, acc = _partials(q, splits)
     q = q.contiguous()
-    rows = torch.arange(b, dtype=torch.int32, device=q.device).unsqueeze(1)
+    rows = identity_rows(b, q.device) if rows is None else rows
     _launch(q, pool, layer, core_table, n_core, assoc_table, n_assoc, rows, (m, l, acc), 0, splits, scale)
     return combine_splits(m, l, acc, q.dtype)
 
 
 def cascade_decode_attention(q: torch.Tensor, pool, layer: int, shared: tuple[torch.Tensor, ...],
                              members: torch.Tensor, own: tuple[torch.Tensor, ...], scale: float,
-                             splits: int, own_splits: int = 1) -> torch.Tensor:
+                             splits: int, own_splits: int = 1, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention where batch rows share pages: the streams of one document's questions
     (``kv.questions: together``) read the same association pages and the same whole core pages.
 
@@ -172,14 +173,20 @@ def cascade_decode_attention(q: torch.Tensor, pool, layer: int, shared: tuple[to
     row), ``own`` = the same four of each batch row's pages past the shared ones [B, W'] / [B] (counts may be 0).
     One program per (table row, KV head, split) reads a shared page once for all its members' query heads (the
     cascade of shared-prefix decoding), a second pass reads each row's own pages, and the splits of both merge per
-    row. Equals :func:`paged_decode_attention` over each row's concatenated pages to float rounding."""
+    row. Equals :func:`paged_decode_attention` over each row's concatenated pages to float rounding. ``rows``: as
+    in :func:`paged_decode_attention`."""
     b = q.shape[0]
     m, l, acc = _partials(q, splits + own_splits)
     q = q.contiguous()
-    rows = torch.arange(b, dtype=torch.int32, device=q.device).unsqueeze(1)
+    rows = identity_rows(b, q.device) if rows is None else rows
     _launch(q, pool, layer, *shared, members, (m, l, acc), 0, splits, scale)
     _launch(q, pool, layer, *own, rows, (m, l, acc), splits, own_splits, scale)
     return combine_splits(m, l, acc, q.dtype)
+
+
+def identity_rows(batch: int, device: torch.device) -> torch.Tensor:
+    """The member table [B, 1] int32 in which table row ``b`` serves batch row ``b`` alone."""
+    return torch.arange(batch, dtype=torch.int32, device=device).unsqueeze(1)
 
 
 def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
