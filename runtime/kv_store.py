@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import xxhash
 
-from docfuse.runtime.kv.background import ExactBlob, pack_exact, reader_pool, unpack_exact
+from docfuse.runtime.kv.background import ExactBlob, block_spans, pack_exact, reader_pool, unpack_exact
 
 #: Second line of the file format: 2 checks entries with XXH3-128 (1: SHA-256, ten times slower to verify, a tenth
 #: of a second a 6K-token entry; such entries are left unused and go with ``docfuse kv-store prune`` or ``clear``).
@@ -266,9 +266,7 @@ def tiered_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     for layer in cache.layers:
         if layer.n_assoc or layer.n_core != layer.length or not layer._core_in_order():
             return None
-        step = layer.archive.block_tokens
-        for lo in range(0, layer.n_core, step):
-            hi = min(lo + step, layer.n_core)
+        for lo, hi in block_spans(layer.n_core, layer.archive.block_tokens):
             out.append((layer.keys[:, :, lo:hi], layer.values[:, :, lo:hi]))
     return out
 

@@ -350,12 +350,17 @@ class DeviceArchive:
         return 0 if self.keys is None else 2 * self.keys[:, :, : self._length].numel() * self.keys.element_size()
 
 
+def block_spans(tokens: int, block_tokens: int) -> list[tuple[int, int]]:
+    """How an archive cuts ``tokens`` positions into blocks: ``(lo, hi)`` spans of ``block_tokens``, the last shorter
+    (the store keeps a document in the same blocks, so a loaded archive adopts them as they are)."""
+    return [(lo, min(lo + block_tokens, tokens)) for lo in range(0, tokens, block_tokens)]
+
+
 def pack_blocks(k: torch.Tensor, v: torch.Tensor, start: int, block_tokens: int, codec: str | None
                 ) -> list[_Block]:
     """``k``/``v`` [B, H, T, D] (host) as archive blocks for positions ``[start, start + T)``."""
-    return [_Block(start + lo, start + min(lo + block_tokens, k.shape[2]),
-                   pack_exact(k[:, :, lo: lo + block_tokens], codec), pack_exact(v[:, :, lo: lo + block_tokens], codec))
-            for lo in range(0, k.shape[2], block_tokens)]
+    return [_Block(start + lo, start + hi, pack_exact(k[:, :, lo:hi], codec), pack_exact(v[:, :, lo:hi], codec))
+            for lo, hi in block_spans(k.shape[2], block_tokens)]
 
 
 class ArchiveWriter:
