@@ -224,6 +224,11 @@ def tiered_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) 
     return {"tokens": length, "ttft_s": ttft, "decode_ms_per_token": seconds * 1e3, "decode_tok_s": 1 / seconds}
 
 
+#: ``answer.prefill_chunk`` of every run (``--prefill-chunk``): 8,192 (the default on CUDA), or larger to prefill a
+#: document below 64K tokens in one pass
+PREFILL_CHUNK = [8192]
+
+
 def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, new_tokens: int, engine: str,
                  max_streams: int, truncate: str = "none") -> dict:
     from docfuse.pipelines import Pipeline
@@ -231,7 +236,7 @@ def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, n
 
     pipeline = Pipeline.from_yaml("text_qa")
     for key, value in {"answer.model": str(model_dir), "answer.dtype": "bfloat16", "answer.device": "cuda",
-                       "answer.kv": kv, "answer.max_new_tokens": new_tokens, "answer.prefill_chunk": 8192,
+                       "answer.kv": kv, "answer.max_new_tokens": new_tokens, "answer.prefill_chunk": PREFILL_CHUNK[0],
                        "answer.engine": engine, "answer.max_streams": max_streams, "answer.ignore_eos": True,
                        # random weights repeat themselves: every answer decodes its full length (False: a None would
                        # drop the key and bring the default stop rules back)
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", choices=["each", "together"], default="each",
                         help="kv.questions: each question re-tiers alone, or a document's questions share one re-tier "
                         "and one copy of its tiers (workloads are then kept as NAME_together)")
+    parser.add_argument("--prefill-chunk", type=int, default=8192, help="answer.prefill_chunk of every run (a "
+                        "document below 64K tokens and this many prefills in one pass)")
     parser.add_argument("--kv", default=None, help="the engine's kv: block as JSON instead of the bench's budgets "
                         "(for example '{}': KVConfig's defaults, chosen by fidelity); workloads are then kept as "
                         "NAME_kv")
@@ -309,9 +316,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s %(message)s", level=logging.WARNING)
     logging.getLogger("docfuse.engine").setLevel(logging.INFO)
 
+    PREFILL_CHUNK[0] = args.prefill_chunk
     budgets = KV if args.kv is None else {"prefill": "tokens", **json.loads(args.kv)}
     kv = {**budgets, "questions": args.questions}
-    suffix = ("" if args.questions == "each" else "_" + args.questions) + ("" if args.kv is None else "_kv")
+    suffix = (("" if args.questions == "each" else "_" + args.questions) + ("" if args.kv is None else "_kv")
+              + ("" if args.prefill_chunk == 8192 else f"_chunk{args.prefill_chunk}"))
 
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     result.update({"card": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
