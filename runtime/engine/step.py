@@ -151,6 +151,7 @@ class BatchStep:
         oct_ = torch.zeros_like(self.own_tables[0], device="cpu")
         on_shared = torch.zeros(size, dtype=torch.bool)
         groups: dict[int, list[int]] = {}  # id(shared tiers) -> table rows serving them
+        filled = [0] * size  # members written into each table row
         n = 0
         for r, pages in enumerate(self.rows):
             shared = pages.shared if pages is not None else None
@@ -160,7 +161,7 @@ class BatchStep:
                 n += 1
                 continue
             rows = groups.setdefault(id(shared), [])
-            if not rows or int((members[rows[-1]] >= 0).sum()) == self.members:
+            if not rows or filled[rows[-1]] == self.members:
                 whole = len(shared.core)
                 if whole:
                     gct[n, :whole] = torch.tensor(shared.core, dtype=torch.int32)
@@ -170,7 +171,8 @@ class BatchStep:
                 rows.append(n)
                 n += 1
             g = rows[-1]
-            members[g, int((members[g] >= 0).sum())] = r
+            members[g, filled[g]] = r
+            filled[g] += 1
             own = pages.core[len(shared.core):]
             if own:
                 oct_[r, : len(own)] = torch.tensor(own, dtype=torch.int32)
