@@ -292,6 +292,27 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
     return cache
 
 
+def adopt_archives(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]]) -> bool:
+    """Hand a TieredCache that :func:`tiered_layers` has just stored its own entry's blocks (as loaded: views of the
+    memory-mapped file) as each layer's archive, so that the first re-tier has nothing to compress and the archive
+    is file-backed (page cache the OS may reclaim) rather than the process's own memory. False, and nothing
+    changed, when the blocks are not the cut :func:`tiered_layers` makes of this cache."""
+    layers = cache.layers
+    spans = [block_spans(layer.length, layer.archive.block_tokens) for layer in layers]
+    if len(blocks) != sum(len(s) for s in spans) or any(layer.archive.length for layer in layers):
+        return False
+    at, plan = 0, []
+    for layer, cut in zip(layers, spans):
+        mine = blocks[at: at + len(cut)]
+        at += len(cut)
+        if any(k.shape[2] != hi - lo or v.shape[2] != hi - lo for (lo, hi), (k, v) in zip(cut, mine)):
+            return False
+        plan.append([(lo, hi, k, v) for (lo, hi), (k, v) in zip(cut, mine)])
+    for layer, adopted in zip(layers, plan):
+        layer.archive.adopt(adopted)
+    return True
+
+
 def fill_dynamic(config: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Any:
     """A DynamicCache holding ``layers`` on ``device``: the state a prefill of the same prefix leaves."""
     from transformers import DynamicCache

@@ -254,12 +254,16 @@ class Session:
         self.document_prefills += 1
         seconds = self._prefilled(ids, started)
         if store_key is not None:  # after the clock: storing is not the first answer's wait
-            from docfuse.runtime.kv_store import cache_layers, tiered_layers
+            from docfuse.runtime.kv_store import adopt_archives, cache_layers, tiered_layers
 
             layers = cache_layers(self.cache) if kind == "full" else tiered_layers(self.cache)
             try:
                 if layers is not None:
                     self.kv_store.save(store_key, layers, source=source, tokens=len(ids))
+                    if kind == "tiered":  # the entry becomes the archive now, as on a later run's load
+                        blocks = self.kv_store.load(store_key, blobs=True)
+                        if blocks is not None:
+                            adopt_archives(self.cache, blocks)
             except OSError as exc:  # a full or read-only disk costs the next run a prefill, nothing more
                 warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next "
                               "run prefills it again", stacklevel=2)

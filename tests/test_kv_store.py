@@ -98,6 +98,46 @@ def test_a_stored_tiered_prefill_answers_bit_for_bit_as_a_fresh_one(tmp_path, dt
     assert tiers["association"] > 0 and tiers["background"] > 0  # the questions did read through all three tiers
 
 
+def test_a_first_run_takes_its_just_stored_entry_as_its_archive(tmp_path):
+    """Right after a tiered prefill is stored, the entry's blocks (memory-mapped) become the cache's archive: the
+    first re-tier compresses nothing, the archive is file-backed, and the answers are a fresh cache's, bit for bit.
+    Blocks cut otherwise are refused and change nothing."""
+    from docfuse.runtime.kv import make_cache, read_question
+    from docfuse.runtime.kv_store import adopt_archives, tiered_layers
+
+    model = tiny()
+    kv = {"core_tokens": 0.2, "association_tokens": 0.3, "association_bits": 4, "page_tokens": 8}
+    ids = list(range(3, 200))
+    store = KVStore(tmp_path)
+
+    def fresh():
+        cache = make_cache(model.config, kv)
+        with torch.inference_mode():
+            fill_cache(model, cache, ids, 16)
+        return cache
+
+    cache = fresh()
+    key = store.key(model, ids, chunk_size=16, kind="tiered")
+    store.save(key, tiered_layers(cache), tokens=len(ids))
+    blocks = store.load(key, blobs=True)
+    assert not adopt_archives(cache, blocks[1:])  # one block short: not this cache's cut
+    assert all(layer.archive.length == 0 for layer in cache.layers)
+    assert adopt_archives(cache, blocks)
+    assert all(layer.archive.length == len(ids) for layer in cache.layers)
+    planes = [p for layer in cache.layers for b in layer.archive.blocks for p in (*b.keys.planes, *b.values.planes)]
+    assert planes and all(isinstance(p, memoryview) and isinstance(p.obj, mmap.mmap) for p in planes)
+    runs = []
+    for c in (fresh(), cache):
+        out = []
+        with torch.inference_mode():
+            for question in ([9, 4, 11], [5, 6]):
+                c.rollback(len(ids))
+                out.append(read_question(model, c, torch.tensor([question])))
+                out.append(next_logits(model, c, 13))
+        runs.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_keys_miss_on_any_change_that_shapes_the_state(tmp_path):
     store = KVStore(tmp_path)
     model = tiny()
@@ -209,6 +249,10 @@ def test_session_loads_a_stored_document_and_answers_the_same(smollm2, tmp_path,
         session = Session(model, tokenizer, kv=kv, kv_store=KVStore(tmp_path))
         session.prefill(session.fit_document(document, max_new_tokens=16), source="agreement.pdf")
         assert session.loaded_from_store == (run == 1) and session.document_prefills == (1 - run)
+        if kv is not None:  # both runs: the archive is the stored entry, memory-mapped, before any question
+            planes = [p for layer in session.cache.layers for b in layer.archive.blocks
+                      for p in (*b.keys.planes, *b.values.planes)]
+            assert planes and all(isinstance(p, memoryview) and isinstance(p.obj, mmap.mmap) for p in planes)
         answers.append(session.ask("Which law governs the agreement?", 16))
     assert answers[0].text == answers[1].text and answers[0].new_tokens == answers[1].new_tokens
     assert [e.source for e in KVStore(tmp_path).entries()] == ["agreement.pdf"]
