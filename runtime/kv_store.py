@@ -17,7 +17,9 @@ The CPU ``Session`` stores full caches (``kv: null``, the default of ``docfuse a
 caches after a token-major prefill (``kv.prefill: tokens``, the CPU default: every token is still exact in the core
 then, and each question re-tiers from it). A layer-major prefill (tiered while it runs) and the GPU engine prefill as
 before. Entries are memory-mapped when loaded: a tiered cache's background archive adopts the stored blocks as views
-of the file, so they are read from disk when a question reads them back and take no memory of the process's own.
+of the file, so they are read from disk when a question reads them back and take no memory of the process's own. The
+run that stores an entry does the same right after storing it (:func:`adopt_archives`): its first question's re-tier
+then has nothing left to compress.
 """
 
 from __future__ import annotations
