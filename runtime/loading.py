@@ -125,6 +125,20 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+#: ``prefill_chunk: auto`` per device type: document tokens a prefill pass takes (what the CPU and the GPU
+#: benchmarks ran with: a GPU runs a long chunk at full speed, a CPU keeps its working set in cache).
+AUTO_PREFILL_CHUNK = {"cpu": 512, "cuda": 8192}
+
+
+def prefill_chunk_for(value: int | str | None, device: Any) -> int:
+    """Tokens per prefill pass: ``value``, or for ``auto``/None the default of ``device``'s type (a torch.device or
+    a name such as ``cuda:0``; the CPU's for any other)."""
+    if value not in (None, "auto"):
+        return int(value)
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    return AUTO_PREFILL_CHUNK.get(kind, AUTO_PREFILL_CHUNK["cpu"])
+
+
 def load_model(name: str = "default", dtype: str | torch.dtype | None = "auto",
                device: str | None = "cpu") -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` in eval mode on ``device``.

@@ -123,19 +123,6 @@ class DecodeParams(StageParams):
         return value
 
 
-#: ``prefill_chunk: auto`` per device type: what the CPU benchmarks and the GPU benchmarks ran with.
-AUTO_PREFILL_CHUNK = {"cpu": 512, "cuda": 8192}
-
-
-def prefill_chunk_for(value: int | str, device: Any) -> int:
-    """Tokens per prefill pass: ``value``, or for ``auto`` the default of ``device``'s type (a torch.device or a
-    name such as ``cuda:0``; the CPU's for any other)."""
-    if value != "auto":
-        return int(value)
-    kind = getattr(device, "type", None) or str(device).split(":")[0]
-    return AUTO_PREFILL_CHUNK.get(kind, AUTO_PREFILL_CHUNK["cpu"])
-
-
 def _sub_block(name: str, config: type[BaseModel], value: dict[str, Any] | None) -> dict[str, Any] | None:
     """Validate a nested block (``kv:``, ``pruning:``) with its runtime config; every problem named, with its path."""
     if value is None:
@@ -170,11 +157,12 @@ class DecodeGenerate(Stage):
     engine: Any = None
     #: Why the engine does not serve this stage (None when it does, or when it was not asked for).
     engine_note: str | None = None
-    #: ``params.prefill_chunk`` resolved for the model's device (``setup``)
-    prefill_chunk: int = AUTO_PREFILL_CHUNK["cpu"]
+    #: ``params.prefill_chunk`` resolved for the model's device (``setup``; runtime.loading.prefill_chunk_for)
+    prefill_chunk: int = 512
 
     def setup(self) -> None:
         from docfuse.runtime.engine import Engine, engine_unsupported
+        from docfuse.runtime.loading import prefill_chunk_for
         from docfuse.runtime.prompt import DEFAULT_SYSTEM, ChatPrompt
         from docfuse.runtime.session import Sampling, Session
         from docfuse.stages.models import shared_model

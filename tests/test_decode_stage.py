@@ -61,12 +61,15 @@ def test_bad_params_are_refused_with_the_reason(params, message):
 
 
 def test_prefill_chunk_auto_is_the_devices_default_and_a_number_is_kept():
-    from docfuse.stages.decode import prefill_chunk_for
+    from docfuse.runtime.engine import Engine
+    from docfuse.runtime.loading import prefill_chunk_for
+    from tests.test_decode_step import tiny
 
     assert stage("q").params.prefill_chunk == "auto"
     assert prefill_chunk_for("auto", "cpu") == 512 and prefill_chunk_for("auto", "cuda:0") == 8192
     assert prefill_chunk_for("auto", torch.device("cuda", 1)) == 8192 and prefill_chunk_for("auto", "mps") == 512
     assert prefill_chunk_for(64, "cuda") == 64 and stage("q", prefill_chunk=64).params.prefill_chunk == 64
+    assert Engine(tiny(seed=3), {}, set()).prefill_chunk == 512  # the engine's own default follows the device too
 
 
 def test_questions_list_wins_over_question():

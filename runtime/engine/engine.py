@@ -45,6 +45,7 @@ from docfuse.runtime.kv import (KVConfig, QuestionRead, TieredCache, as_kv_confi
                                 read_questions)
 from docfuse.runtime.kv.background import DeviceArchive
 from docfuse.runtime.kv.config import resolve_budget
+from docfuse.runtime.loading import prefill_chunk_for
 
 log = logging.getLogger("docfuse.engine")
 #: The stats of the most recent :meth:`Engine.run` in this process (benchmarks read it through the pipeline).
@@ -151,7 +152,8 @@ class Engine:
             prefill workspace of the longest document, or 1 GiB elsewhere.
         max_streams: most streams decoding at once (the largest bucket used).
         graphs: capture each bucket's step as a CUDA graph (default: on CUDA).
-        prefill_chunk: tokens per forward of the document prefill.
+        prefill_chunk: tokens per forward of the document prefill (None: 8,192 on CUDA, 512 elsewhere;
+            ``runtime.loading.prefill_chunk_for``).
         layer_major_from: documents of at least this many tokens prefill layer by layer (``kv.prefill: layers``
             always does).
         memory_fraction: share of free device memory the pool may take when it is sized automatically.
@@ -165,7 +167,7 @@ class Engine:
     """
 
     def __init__(self, model: Any, kv: KVConfig | dict, stop_ids: set[int], *, pool_bytes: int | None = None,
-                 max_streams: int = 64, graphs: bool | None = None, prefill_chunk: int = 512,
+                 max_streams: int = 64, graphs: bool | None = None, prefill_chunk: int | None = None,
                  layer_major_from: int = 65536, memory_fraction: float = 0.9,
                  archive: Literal["auto", "device", "host"] = "auto",
                  stop_when: Callable[[list[int]], bool] | None = None) -> None:
@@ -178,7 +180,7 @@ class Engine:
         self.pool_bytes, self.memory_fraction = pool_bytes, memory_fraction
         self.buckets = tuple(b for b in BUCKETS if b < max_streams) + (max_streams,)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.prefill_chunk, self.layer_major_from = prefill_chunk, layer_major_from
+        self.prefill_chunk, self.layer_major_from = prefill_chunk_for(prefill_chunk, self.device), layer_major_from
         self.limit = int(model.config.max_position_embeddings)
         self.archive = archive
         self.stop_when = stop_when
