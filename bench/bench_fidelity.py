@@ -287,6 +287,7 @@ def speed(cases_dir: Path, names: list[str], docs: int, rounds: int, device: str
             "ttft_first_s": mean(r["ttft_s"] for r in got if r["index"] == 0),
             "ttft_later_s": mean(r["ttft_s"] for r in later) if later else None,
             "retier_share_of_ttft_later": mean(r["retier_s"] / r["ttft_s"] for r in retier) if retier else None,
+            "retier_later_s": mean(r["retier_s"] for r in retier) if retier else None,  # the share's numerator
             "device_share": mean(r["kv_device_bytes"] / r["kv_full_bytes"] for r in got),
         }
     a = result["configs"][anchor]
