@@ -285,11 +285,8 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
     for i, layer in enumerate(layers):
         keys, values = tensors[2 * i * per: 2 * (i + 1) * per: 2], tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
         layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
-        adopted, start = [], 0
-        for k, (k_blob, v_blob) in zip(keys, blocks[i * per: (i + 1) * per]):
-            adopted.append((start, start + k.shape[2], k_blob, v_blob))
-            start += k.shape[2]
-        layer.archive.adopt(adopted)
+    if not adopt_archives(cache, blocks):
+        raise ValueError("the stored blocks are not the archive's cut of the positions they hold")
     cache.peak_device = cache.device_bytes()
     return cache
 

@@ -55,44 +55,61 @@ def test_a_stored_prefill_answers_bit_for_bit_as_a_fresh_one(tmp_path, dtype):
     assert torch.equal(next_logits(model, loaded), next_logits(model, prefilled(model, IDS)))
 
 
+TIERED_KV = {"core_tokens": 0.2, "association_tokens": 0.3, "association_bits": 4, "page_tokens": 8}
+TIERED_IDS = list(range(3, 200))
+
+
+def fresh_tiered(model):
+    """A tiered cache straight after a token-major prefill of ``TIERED_IDS`` (the state the store keeps)."""
+    from docfuse.runtime.kv import make_cache
+
+    cache = make_cache(model.config, TIERED_KV)
+    with torch.inference_mode():
+        fill_cache(model, cache, TIERED_IDS, 16)
+    return cache
+
+
+def archive_is_mapped(cache) -> bool:
+    """Whether every layer's archive is blocks that are views of a memory-mapped entry, not the process's copies."""
+    planes = [p for layer in cache.layers for b in layer.archive.blocks for p in (*b.keys.planes, *b.values.planes)]
+    return bool(planes) and all(isinstance(p, memoryview) and isinstance(p.obj, mmap.mmap) for p in planes)
+
+
+def two_questions(model, cache) -> list[torch.Tensor]:
+    """Two questions in turn (each re-tiering the document, the second from the first's state), each with one decode
+    step over the re-tiered cache: their logits."""
+    from docfuse.runtime.kv import read_question
+
+    out = []
+    with torch.inference_mode():
+        for question in ([9, 4, 11], [5, 6]):
+            cache.rollback(len(TIERED_IDS))
+            out.append(read_question(model, cache, torch.tensor([question])))
+            out.append(next_logits(model, cache, 13))
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_stored_tiered_prefill_answers_bit_for_bit_as_a_fresh_one(tmp_path, dtype):
     """A tiered cache after a token-major prefill is stored as its exact core; loaded, two questions in turn (each
     re-tiering the document, the second from the first's state) and the answers' decode steps give the logits a
     fresh prefill gives."""
-    from docfuse.runtime.kv import make_cache, read_question
+    from docfuse.runtime.kv import make_cache
     from docfuse.runtime.kv_store import fill_tiered, tiered_layers
 
     model = tiny(dtype=dtype)
-    kv = {"core_tokens": 0.2, "association_tokens": 0.3, "association_bits": 4, "page_tokens": 8}
-    ids = list(range(3, 200))
+    ids = TIERED_IDS
     store = KVStore(tmp_path)
     key = store.key(model, ids, chunk_size=16, kind="tiered")
     assert key != store.key(model, ids, chunk_size=16)  # a full cache's entry is another entry
-
-    def fresh():
-        cache = make_cache(model.config, kv)
-        with torch.inference_mode():
-            fill_cache(model, cache, ids, 16)
-        return cache
-
-    store.save(key, tiered_layers(fresh()), tokens=len(ids))
+    store.save(key, tiered_layers(fresh_tiered(model)), tokens=len(ids))
     assert [e.tokens for e in store.entries()] == [len(ids)]  # what kv-store list shows, not one block's length
-    loaded = fill_tiered(make_cache(model.config, kv), store.load(key, blobs=True), torch.device("cpu"))
+    loaded = fill_tiered(make_cache(model.config, TIERED_KV), store.load(key, blobs=True), torch.device("cpu"))
     # the archive came packed from the store: the first re-tier finds every position archived already
     assert all(layer.archive.length == len(ids) for layer in loaded.layers)
     # ... and its blocks are views of the memory-mapped entry, not copies in the process's memory
-    planes = [p for layer in loaded.layers for b in layer.archive.blocks for p in (*b.keys.planes, *b.values.planes)]
-    assert planes and all(isinstance(p, memoryview) and isinstance(p.obj, mmap.mmap) for p in planes)
-    runs = []
-    for cache in (fresh(), loaded):
-        out = []
-        with torch.inference_mode():
-            for question in ([9, 4, 11], [5, 6]):
-                cache.rollback(len(ids))
-                out.append(read_question(model, cache, torch.tensor([question])))
-                out.append(next_logits(model, cache, 13))  # a decode step over the re-tiered cache
-        runs.append(out)
+    assert archive_is_mapped(loaded)
+    runs = [two_questions(model, cache) for cache in (fresh_tiered(model), loaded)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     tiers = loaded.tier_tokens()
     assert tiers["association"] > 0 and tiers["background"] > 0  # the questions did read through all three tiers
@@ -102,21 +119,12 @@ def test_a_first_run_takes_its_just_stored_entry_as_its_archive(tmp_path):
     """Right after a tiered prefill is stored, the entry's blocks (memory-mapped) become the cache's archive: the
     first re-tier compresses nothing, the archive is file-backed, and the answers are a fresh cache's, bit for bit.
     Blocks cut otherwise are refused and change nothing."""
-    from docfuse.runtime.kv import make_cache, read_question
     from docfuse.runtime.kv_store import adopt_archives, tiered_layers
 
     model = tiny()
-    kv = {"core_tokens": 0.2, "association_tokens": 0.3, "association_bits": 4, "page_tokens": 8}
-    ids = list(range(3, 200))
+    ids = TIERED_IDS
     store = KVStore(tmp_path)
-
-    def fresh():
-        cache = make_cache(model.config, kv)
-        with torch.inference_mode():
-            fill_cache(model, cache, ids, 16)
-        return cache
-
-    cache = fresh()
+    cache = fresh_tiered(model)
     key = store.key(model, ids, chunk_size=16, kind="tiered")
     store.save(key, tiered_layers(cache), tokens=len(ids))
     blocks = store.load(key, blobs=True)
@@ -124,17 +132,8 @@ def test_a_first_run_takes_its_just_stored_entry_as_its_archive(tmp_path):
     assert all(layer.archive.length == 0 for layer in cache.layers)
     assert adopt_archives(cache, blocks)
     assert all(layer.archive.length == len(ids) for layer in cache.layers)
-    planes = [p for layer in cache.layers for b in layer.archive.blocks for p in (*b.keys.planes, *b.values.planes)]
-    assert planes and all(isinstance(p, memoryview) and isinstance(p.obj, mmap.mmap) for p in planes)
-    runs = []
-    for c in (fresh(), cache):
-        out = []
-        with torch.inference_mode():
-            for question in ([9, 4, 11], [5, 6]):
-                c.rollback(len(ids))
-                out.append(read_question(model, c, torch.tensor([question])))
-                out.append(next_logits(model, c, 13))
-        runs.append(out)
+    assert archive_is_mapped(cache)
+    runs = [two_questions(model, c) for c in (fresh_tiered(model), cache)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -250,9 +249,7 @@ def test_session_loads_a_stored_document_and_answers_the_same(smollm2, tmp_path,
         session.prefill(session.fit_document(document, max_new_tokens=16), source="agreement.pdf")
         assert session.loaded_from_store == (run == 1) and session.document_prefills == (1 - run)
         if kv is not None:  # both runs: the archive is the stored entry, memory-mapped, before any question
-            planes = [p for layer in session.cache.layers for b in layer.archive.blocks
-                      for p in (*b.keys.planes, *b.values.planes)]
-            assert planes and all(isinstance(p, memoryview) and isinstance(p.obj, mmap.mmap) for p in planes)
+            assert archive_is_mapped(session.cache)
         answers.append(session.ask("Which law governs the agreement?", 16))
     assert answers[0].text == answers[1].text and answers[0].new_tokens == answers[1].new_tokens
     assert [e.source for e in KVStore(tmp_path).entries()] == ["agreement.pdf"]
