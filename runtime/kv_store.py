@@ -280,8 +280,9 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
     if not blocks or len(blocks) % len(layers):
         raise ValueError(f"{len(blocks)} stored blocks do not split over {len(layers)} layers")
     per = len(blocks) // len(layers)
-    pool, _ = reader_pool()  # LZ4 and numpy release the GIL: the blocks unpack side by side
-    tensors = list(pool.map(unpack_exact, [blob for pair in blocks for blob in pair]))
+    pool, _ = reader_pool()  # LZ4 and numpy release the GIL: on enough cores the blocks unpack side by side
+    blobs = [blob for pair in blocks for blob in pair]
+    tensors = list(pool.map(unpack_exact, blobs) if pool is not None else map(unpack_exact, blobs))
     for i, layer in enumerate(layers):
         keys, values = tensors[2 * i * per: 2 * (i + 1) * per: 2], tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
         layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
