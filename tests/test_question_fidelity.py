@@ -197,3 +197,48 @@ def test_the_device_re_tier_chooses_the_tiers_the_general_path_chooses(monkeypat
         assert torch.equal(f_first, g_first) and f_tokens == g_tokens
         for a, b in zip(f_layers, g_layers):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kv_extra", [{}, {"candidate_tokens": 0.3}, {"association_tokens": 1.0, "association_bits": 8}])
+@pytest.mark.parametrize("prefill", ["tokens", "layers"])
+def test_a_re_tier_after_the_read_chooses_what_the_re_tier_inside_it_chooses(monkeypatch, kv_extra, prefill
+                                                                            ) -> None:
+    """read_question(retier=False) then retier_after_read (the GPU engine's order when the exact K/V are device
+    slices: first token, then re-tier) must leave the tiers, codes, first logits and answers that the re-tier inside
+    the pass leaves, bit for bit: for the first question and for later ones (which read the archive), with every
+    token a candidate or only some (where the inside path scores from the pass's whole exact read)."""
+    from docfuse.runtime.kv import layer as layer_module
+    from docfuse.runtime.kv import retier_after_read
+
+    # archive blocks of 16 tokens: a later question's general path then reads only some of them exactly
+    monkeypatch.setattr(layer_module, "ARCHIVE_BLOCK", 16)
+    model = tiny()
+    document = ids(650, 3)
+    kv = {**KV, **kv_extra}
+
+    def run(inside: bool):
+        if prefill == "tokens":
+            cache = token_major(model, document, kv)
+        else:
+            cache = TieredCache(model.config, kv)
+            layer_major_prefill(model, cache, document, chunk=256)
+        out = []
+        for seed in (5, 6, 7):
+            question = ids(11, seed)
+            first = read_question(model, cache, question, retier=inside)
+            if not inside:
+                retier_after_read(cache, 650)
+            assert all(layer.queries is None for layer in cache.layers)
+            tokens = [int(first.argmax())]
+            for _ in range(4):
+                tokens.append(int(forward(model, cache, torch.tensor([[tokens[-1]]])).argmax()))
+            layers = [(l.core_pos[:, :, : l.n_core].clone(), l.assoc_pos.clone(), l.keys[:, :, : l.n_core].clone(),
+                       l.assoc.keys.codes.clone(), l.assoc.values.codes.clone()) for l in cache.layers]
+            cache.rollback(650)
+            out.append((first, tokens, layers, cache.retiers))
+        return out
+
+    for (i_first, i_tokens, i_layers, i_n), (a_first, a_tokens, a_layers, a_n) in zip(run(True), run(False)):
+        assert torch.equal(i_first, a_first) and i_tokens == a_tokens and i_n == a_n
+        for a, b in zip(i_layers, a_layers):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -9,7 +9,8 @@ questions and keeps every stream it can fit decoding together:
 2. **Start a question**: read it exactly and re-tier the document for it (``read_question``, as ``Session`` does),
    copy the tiers into pages of the pool (:mod:`runtime.engine.pool`), roll the cache back to the document. The
    question is now a live stream; its first answer token came out of the read. The next question of the open
-   document starts from the same prefill.
+   document starts from the same prefill. Where the document's exact K/V are in device memory the re-tier runs
+   after the read has given the first token (it then holds back the second token, not the first).
 3. **Decode** every live stream together: one batched step per token (:mod:`runtime.engine.step`), captured as a
    CUDA graph per batch-size bucket. Each stream stops at its own end-of-sequence or ``max_new_tokens``; its pages
    go back to the pool, and a waiting question takes its place (continuous batching).
@@ -42,7 +43,7 @@ from docfuse.runtime import metrics
 from docfuse.runtime.engine.pool import PagePool, PoolShape, SharedTiers, StreamPages, pages_for
 from docfuse.runtime.engine.step import BatchStep, step_supported
 from docfuse.runtime.kv import (KVConfig, QuestionRead, TieredCache, as_kv_config, prepare_question, read_question,
-                                read_questions)
+                                read_questions, retier_after_read)
 from docfuse.runtime.kv.background import DeviceArchive
 from docfuse.runtime.kv.config import resolve_budget
 from docfuse.runtime.loading import prefill_chunk_for
@@ -326,7 +327,7 @@ class Engine:
         assoc_width = max((w[1] for w in widths), default=1)
         self.steps = {}
         self.stats = {"steps": 0, "max_live": 0, "max_live_documents": 0, "step_s": 0.0, "capture_s": 0.0,
-                      "buckets": {}, "pool_bytes": pool.nbytes(),
+                      "deferred_retier_s": 0.0, "buckets": {}, "pool_bytes": pool.nbytes(),
                       "core_pages": pool.core_total, "assoc_pages": pool.assoc_total}
         # kv.questions: together: a document's streams read its shared pages in one program (the cascade kernel)
         members = min(MAX_MEMBERS, max((len(d.questions) for d in docs), default=1)) if self.together else 1
@@ -426,6 +427,12 @@ class Engine:
         LAST_STATS.update(self.stats)
         return outputs
 
+    def _slices_only(self, cache: TieredCache) -> bool:
+        """Whether every exact K/V of ``cache`` is in device memory (its archive a ``DeviceArchive``, or nothing
+        archived yet): a second exact read is then slices, so a question's re-tier may follow its first token
+        (``read_question(..., retier=False)``) instead of holding it back. Host archives keep the one read."""
+        return all(getattr(layer.archive, "on_device", False) or layer.archive.length == 0 for layer in cache.layers)
+
     def _tier_bytes(self, st: _Stream) -> int:
         """Device bytes one step reads for a stream: its core (with the answer so far) and association tokens."""
         s = self.shape
@@ -472,8 +479,10 @@ class Engine:
         cache, model = opened.cache, self.model
         question = torch.tensor([list(doc.questions[q])], dtype=torch.long, device=self.device)
         t0 = metrics.now(self.device)
+        # exact K/V in device memory: the first token comes from the exact read, the re-tier follows it
+        deferred = self.kv.question == "exact" and self._slices_only(cache)
         if self.kv.question == "exact":
-            logits = read_question(model, cache, question)
+            logits = read_question(model, cache, question, retier=not deferred)
         else:
             from docfuse.runtime.session import forward_tokens
 
@@ -483,6 +492,9 @@ class Engine:
         now = time.perf_counter()
         out.ttft_s = now - t0 + (opened.prefill_s if q == 0 else 0.0)
         out.first_token_at_s = now - started
+        if deferred:
+            retier_after_read(cache, opened.prefix)
+            self.stats["deferred_retier_s"] += metrics.now(self.device) - now
         acc = cache.accounting()
         out.kv_device_bytes, out.kv_host_bytes, out.kv_full_bytes = (acc["kv_device_bytes"], acc["kv_host_bytes"],
                                                                      acc["kv_full_bytes"])

@@ -18,8 +18,10 @@ Typical use (one prefill, many questions)::
 
 from docfuse.runtime.kv.config import KVConfig
 from docfuse.runtime.kv.eviction import SnapKVCache
-from docfuse.runtime.kv.queries import QuestionRead, prepare_question, read_question, read_questions, record_queries
+from docfuse.runtime.kv.queries import (QuestionRead, prepare_question, read_question, read_questions, record_queries,
+                                        retier_after_read)
 from docfuse.runtime.kv.tiered import RetierOnSchedule, TieredCache, as_kv_config, make_cache
 
 __all__ = ["KVConfig", "QuestionRead", "RetierOnSchedule", "SnapKVCache", "TieredCache", "as_kv_config",
-           "make_cache", "prepare_question", "read_question", "read_questions", "record_queries"]
+           "make_cache", "prepare_question", "read_question", "read_questions", "record_queries",
+           "retier_after_read"]

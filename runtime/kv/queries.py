@@ -96,7 +96,8 @@ def prepare_question(model: torch.nn.Module, cache: Any, question_ids: torch.Ten
     cache.retier(queries=queries)
 
 
-def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor) -> torch.Tensor:
+def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor, retier: bool = True
+                  ) -> torch.Tensor:
     """Append the question to ``cache`` (a TieredCache holding the document), read at full precision, then re-tier
     for it; returns the logits of its last position (the first answer token's).
 
@@ -104,16 +105,27 @@ def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor
     queries are recorded, so its hidden states, queries and first token are those of a full cache. Each layer is
     re-tiered as soon as it has read, from that same read; the question's own tokens stay in the core, and the
     answer's later tokens read the tiers.
+
+    ``retier=False``: the pass only reads, its queries stay recorded in the layers, and the caller re-tiers later
+    with :func:`retier_after_read` (the same tiers, bit for bit). Where the exact K/V are device slices (a
+    ``DeviceArchive``, or a core that holds every position) reading them twice costs nothing, and the first answer
+    token exists before the re-tier runs: the GPU engine emits it first.
     """
     prefix = cache.get_seq_length()
     kwargs = _last_logits_kwargs(model, cache)
     positions = torch.arange(prefix, prefix + question_ids.shape[1], device=question_ids.device).unsqueeze(0)
     # each layer re-tiers inside the pass, from the exact read its attention just made (one archive read, not two)
-    with torch.no_grad(), cache.exact_view(retier_from=prefix), record_queries(model, cache,
-                                                                             tokens=cache.kv.query_tokens), \
-            grouped_sdpa(model):
+    with torch.no_grad(), cache.exact_view(retier_from=prefix if retier else None), \
+            record_queries(model, cache, tokens=cache.kv.query_tokens), grouped_sdpa(model):
         out = model(input_ids=question_ids, position_ids=positions, use_cache=True, **kwargs)
     return out.logits[0, -1]
+
+
+def retier_after_read(cache: Any, prefix: int) -> None:
+    """Re-tier ``cache`` for the question that ``read_question(..., retier=False)`` has just read over a document of
+    ``prefix`` tokens, from the queries that pass recorded: what the pass would have done layer by layer."""
+    with torch.no_grad():
+        cache.retier_exact(cache.take_queries(), keep_from=prefix)
 
 
 @dataclass

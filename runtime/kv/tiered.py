@@ -159,6 +159,16 @@ class TieredCache(Cache):
         self._retiered()
         return self.tier_tokens()
 
+    def retier_exact(self, queries: Sequence[torch.Tensor | None], keep_from: int) -> None:
+        """Re-tier every layer as a question's exact pass does inside it (``exact_view(retier_from=keep_from)``):
+        with every position's exact K/V at hand, from each layer's ``queries``. For a pass that only read
+        (``read_question(..., retier=False)``); the tiers are the same bit for bit."""
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                with layer.reading_all():
+                    self.retier_layer(i, queries[i], keep_from)
+        self._retiered()
+
     def _retiered(self) -> None:
         """Book a finished re-tier of every layer (by ``retier`` or inside a question's exact pass)."""
         self.retiered_at = self.get_seq_length()
