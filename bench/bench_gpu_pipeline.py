@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # last: on a lent GPU the installed docfuse must win over the tree's docfuse/ folder
 
-from bench.common import copy_bandwidth, llama8b_config  # noqa: E402
+from bench.common import copy_bandwidth, random_llama8b  # noqa: E402
 KV = {"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4, "association_key_bits": 4,
       "prefill": "tokens"}
 QUESTIONS = ["Who signed the agreement?", "What is the termination notice period?", "Which law governs the contract?",
@@ -60,15 +60,10 @@ def model_folder(path: Path, tokenizer_dir: Path, save_weights: bool):
     stage's ``setup`` finds it without reading 16 GB back from disk."""
     import shutil
 
-    from transformers import LlamaForCausalLM
-
     from docfuse.stages import models
 
-    config = llama8b_config(131072 + 1024)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_llama8b(131072 + 1024)
+    config = model.config
     path.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():

@@ -64,6 +64,20 @@ def llama8b_config(max_positions: int = 131072):
     return config
 
 
+def random_llama8b(max_positions: int = 131072):
+    """An 8B-shaped Llama (``llama8b_config``) with random bf16 weights on the GPU, in eval mode (speed does not depend
+    on the weights' values)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return LlamaForCausalLM(llama8b_config(max_positions)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of ``reps``, after
     three warm-up copies)."""

@@ -40,6 +40,15 @@ def token_major(model, document: torch.Tensor, kv: dict) -> TieredCache:
     return cache
 
 
+def prefilled(model, document: torch.Tensor, kv: dict, prefill: str) -> TieredCache:
+    """The document in a TieredCache, token-major in 256-token chunks or layer-major (``prefill``)."""
+    if prefill == "tokens":
+        return token_major(model, document, kv)
+    cache = TieredCache(model.config, kv)
+    layer_major_prefill(model, cache, document, chunk=256)
+    return cache
+
+
 def answer(model, cache, question: torch.Tensor, steps: int = 6, exact: bool = True) -> tuple[torch.Tensor, list]:
     """First-token logits and the greedy tokens after them; the cache is rolled back to the document after."""
     prefix = cache.get_seq_length()
@@ -177,11 +186,7 @@ def test_the_device_re_tier_chooses_the_tiers_the_general_path_chooses(monkeypat
 
     def run(on_device: bool):
         monkeypatch.setattr(layer_module, "ALL_ON_DEVICE", on_device)
-        if prefill == "tokens":
-            cache = token_major(model, document, kv)
-        else:
-            cache = TieredCache(model.config, kv)
-            layer_major_prefill(model, cache, document, chunk=256)
+        cache = prefilled(model, document, kv, prefill)
         out = []
         for seed in (5, 6):
             first, tokens = answer(model, cache, ids(11, seed), steps=4)
@@ -217,11 +222,7 @@ def test_a_re_tier_after_the_read_chooses_what_the_re_tier_inside_it_chooses(mon
     kv = {**KV, **kv_extra}
 
     def run(inside: bool):
-        if prefill == "tokens":
-            cache = token_major(model, document, kv)
-        else:
-            cache = TieredCache(model.config, kv)
-            layer_major_prefill(model, cache, document, chunk=256)
+        cache = prefilled(model, document, kv, prefill)
         out = []
         for seed in (5, 6, 7):
             question = ids(11, seed)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))
 
 from bench.bench_gpu_pipeline import KV, _random_ids  # noqa: E402
-from bench.common import llama8b_config  # noqa: E402
+from bench.common import random_llama8b  # noqa: E402
 
 
 def main() -> None:
@@ -41,17 +41,13 @@ def main() -> None:
     parser.add_argument("--pipeline", action="store_true")
     parser.add_argument("--tokenizer", type=Path, default=None)
     args = parser.parse_args()
-    from transformers import DynamicCache, LlamaForCausalLM
+    from transformers import DynamicCache
 
     from docfuse.runtime import session as session_module
     from docfuse.runtime.engine.engine import Document, Engine, StreamOutput
     from docfuse.runtime.kv import TieredCache
 
-    config = llama8b_config(args.tokens + 4096)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_llama8b(args.tokens + 4096)
     ids = _random_ids(model, args.tokens)[0].tolist()
     chunks: list[float] = []
     forward = session_module.forward_tokens

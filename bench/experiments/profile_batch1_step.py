@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))
 
 from bench.bench_gpu_pipeline import KV, _random_ids  # noqa: E402
-from bench.common import llama8b_config  # noqa: E402
+from bench.common import random_llama8b  # noqa: E402
 
 
 def timings(replay, sync_each, reset, steps: int = 40) -> dict:
@@ -100,19 +100,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--out", type=Path, default=Path("batch1_step.json"))
     args = parser.parse_args()
-    from transformers import LlamaForCausalLM
-
     from docfuse.runtime.engine.engine import Document, Engine
     from docfuse.runtime.gpu.decode_graph import GraphDecoder
     from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention
     from docfuse.runtime.kv.background import ArchiveWriter
     from docfuse.runtime.layer_prefill import layer_major_prefill
 
-    config = llama8b_config(args.tokens + 4096)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_llama8b(args.tokens + 4096)
     ids = _random_ids(model, args.tokens)[0].tolist()
     result: dict = {"card": torch.cuda.get_device_name(0), "tokens": args.tokens}
 

@@ -320,7 +320,6 @@ class Engine:
         outputs = [[StreamOutput(prompt_tokens=len(d.prefix) + len(q)) for q in d.questions] for d in docs]
         metrics.reset_peak_memory(self.device)
         self.pool = pool = self._make_pool(docs)
-        s = self.shape
         # the largest page table a stream needs (with shared tiers: the shared whole pages and its own)
         widths = [self.start_pages(d, j) for d in docs for j in range(len(d.questions))]
         core_width = max((w[0] for w in widths), default=1)
