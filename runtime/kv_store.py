@@ -280,7 +280,7 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
     if not blocks or len(blocks) % len(layers):
         raise ValueError(f"{len(blocks)} stored blocks do not split over {len(layers)} layers")
     per = len(blocks) // len(layers)
-    pool, _ = reader_pool()  # LZ4 and numpy release the GIL: on enough cores the blocks unpack side by side
+    pool = reader_pool()  # LZ4 and numpy release the GIL: on enough cores the blocks unpack side by side
     blobs = [blob for pair in blocks for blob in pair]
     tensors = list(pool.map(unpack_exact, blobs) if pool is not None else map(unpack_exact, blobs))
     for i, layer in enumerate(layers):

@@ -755,25 +755,25 @@ def test_rollback_without_background_rebalances_heads(monkeypatch, fixed: bool) 
 
 @pytest.mark.parametrize("threads", [True, False])
 def test_archive_blocks_read_ahead_by_threads_come_back_in_order_and_exact(monkeypatch, threads: bool) -> None:
-    """read_blocks unpacks host blocks in a thread pool (or, on fewer than POOL_FROM_CORES cores, in the caller's
-    thread); the blocks must come back in the order asked, bit-exact, including blocks still pending from the
-    ArchiveWriter. read_blocks_into writes the same blocks at their positions, either way."""
+    """read_blocks_into unpacks host blocks in a thread pool (or, on fewer than POOL_FROM_CORES cores, in the
+    caller's thread) and writes each at its positions; the spans must come back in the order asked and the blocks
+    bit-exact, including blocks still pending from the ArchiveWriter; positions of blocks not asked stay untouched."""
     from concurrent.futures import ThreadPoolExecutor
 
     from docfuse.runtime.kv import background
-    from docfuse.runtime.kv.background import ArchiveWriter, ExactArchive, read_blocks, read_blocks_into
+    from docfuse.runtime.kv.background import ArchiveWriter, ExactArchive, read_blocks_into
 
-    monkeypatch.setattr(background, "_READERS", (ThreadPoolExecutor(2), 4) if threads else (None, 1))
+    monkeypatch.setattr(background, "_READERS", [ThreadPoolExecutor(2) if threads else None])
     torch.manual_seed(0)
     k, v = torch.randn(1, 2, 1000, 8, dtype=torch.bfloat16), torch.randn(1, 2, 1000, 8, dtype=torch.bfloat16)
     order = [15, 0, 3, 3, 7, 1, 14, 2, 9, 8, 4, 5, 6, 10, 11, 12, 13]
     archive = ExactArchive(block_tokens=64)
     with ArchiveWriter(workers=2) as writer:
         writer.submit(archive, k, v)
-        got = list(read_blocks(archive, order))
-    assert [g[0] for g in got] == [64 * i for i in order]
-    for (start, end, kk, vv) in got:
-        assert torch.equal(kk, k[:, :, start:end]) and torch.equal(vv, v[:, :, start:end])
+        out_k, out_v = torch.zeros_like(k), torch.zeros_like(v)
+        spans = read_blocks_into(archive, order, out_k, out_v)
+    assert [start for start, _ in spans] == [64 * i for i in order]
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)
     fresh = ExactArchive(block_tokens=64)
     with ArchiveWriter(workers=2) as writer:
         writer.submit(fresh, k, v)

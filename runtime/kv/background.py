@@ -12,8 +12,6 @@ import contextlib
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -119,7 +117,7 @@ def unpack_exact(blob: ExactBlob) -> torch.Tensor:
     return ints.transpose(-1, -2).contiguous().view(blob.dtype)  # torch's transposing copy: ~1.6x numpy's here
 
 
-_READERS: tuple[ThreadPoolExecutor, int] | None = None
+_READERS: list[ThreadPoolExecutor | None] = []  # the process's reader pool, once made (None: the caller's thread)
 _READERS_LOCK = threading.Lock()
 
 
@@ -128,54 +126,26 @@ _READERS_LOCK = threading.Lock()
 POOL_FROM_CORES = 4
 
 
-def reader_pool() -> tuple[ThreadPoolExecutor | None, int]:
-    """The threads that unpack archive blocks for :func:`read_blocks` and the KV store (one pool per process), and how
-    many blocks may wait unpacked; ``(None, 1)`` on a machine of fewer than ``POOL_FROM_CORES`` usable cores."""
-    global _READERS
+def reader_pool() -> ThreadPoolExecutor | None:
+    """The threads that unpack archive blocks for :func:`read_blocks_into` and the KV store (one pool per process);
+    ``None`` on a machine of fewer than ``POOL_FROM_CORES`` usable cores."""
     with _READERS_LOCK:
-        if _READERS is None:
+        if not _READERS:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            threads = min(8, cores)
-            _READERS = ((ThreadPoolExecutor(threads, thread_name_prefix="docfuse-archive-read"), 2 * threads)
-                        if cores >= POOL_FROM_CORES else (None, 1))
-        return _READERS
-
-
-def read_blocks(archive: Any, indices: list[int], device: torch.device | str | None = None
-                ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """Blocks ``indices`` of ``archive`` as its ``read`` gives them (moved to ``device`` when given), in that order;
-    a host archive's are decompressed, and copied, ahead by a pool of threads.
-
-    A question's exact read at 128K unpacks some 500 blocks a layer; one after another that ran at ~0.6 GB/s (27 s
-    for two questions on an H100 host), while LZ4 and numpy release the GIL, so the cores can share it. At most
-    ``2 x threads`` blocks wait unpacked, so memory stays a few blocks' worth.
-    """
-    def read(index: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        start, end, k, v = archive.read(index)
-        return (start, end, k, v) if device is None else (start, end, k.to(device), v.to(device))
-
-    pool, window = reader_pool()
-    if getattr(archive, "on_device", False) or len(indices) < 2 or pool is None:
-        yield from (read(i) for i in indices)
-        return
-    archive.settle()  # pending ranges are joined here, once, not by racing reader threads
-    todo = iter(indices)
-    ahead: deque[Future] = deque(pool.submit(read, i) for _, i in zip(range(window), todo))
-    while ahead:
-        result = ahead.popleft().result()
-        nxt = next(todo, None)
-        if nxt is not None:
-            ahead.append(pool.submit(read, nxt))
-        yield result
+            _READERS.append(ThreadPoolExecutor(min(8, cores), thread_name_prefix="docfuse-archive-read")
+                            if cores >= POOL_FROM_CORES else None)
+        return _READERS[0]
 
 
 def read_blocks_into(archive: Any, indices: list[int], keys: torch.Tensor, values: torch.Tensor) -> list[tuple[int, int]]:
     """Write blocks ``indices`` of ``archive`` into ``keys``/``values`` [B, H, >= end, D] at their positions; returns
-    their ``(start, end)`` spans in order.
+    their ``(start, end)`` spans in the order asked.
 
-    A host archive's blocks are unpacked and written by the reader threads themselves, each into its own span: the
-    caller's thread neither holds the unpacked copies nor copies them a second time (on two cores a question's exact
-    read of 6K tokens spent as long copying blocks into place as unpacking them)."""
+    A host archive's blocks are unpacked and written by the reader threads themselves, each into its own span, so
+    memory holds one unpacked block a thread and the caller's thread copies nothing a second time. A question's
+    exact read at 128K unpacks some 500 blocks a layer; one after another that ran at ~0.6 GB/s (27 s for two
+    questions on an H100 host), while LZ4 and numpy release the GIL, so many cores can share it (on two cores the
+    caller's thread alone is faster, ``POOL_FROM_CORES``)."""
     inference = torch.is_inference_mode_enabled()  # thread-local: the readers write as the caller would
 
     def put(index: int) -> tuple[int, int]:
@@ -185,7 +155,7 @@ def read_blocks_into(archive: Any, indices: list[int], keys: torch.Tensor, value
             values[:, :, start:end].copy_(v)
         return start, end
 
-    pool, _ = reader_pool()
+    pool = reader_pool()
     if getattr(archive, "on_device", False) or len(indices) < 2 or pool is None:
         return [put(i) for i in indices]
     archive.settle()  # pending ranges are joined here, once, not by racing reader threads

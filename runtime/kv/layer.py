@@ -62,7 +62,8 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _put_rows(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """``x.scatter_(2, index expanded, src)`` for ``x`` [B, H, T, D] contiguous and ``src`` [B, H, N, D]: whole rows
-    copied by one ``index_copy_`` (on the host 3-10x faster than scatter, same values; ``index`` rows distinct)."""
+    copied by one ``index_copy_`` (on the host 3-10x faster than scatter, same values; where ``index`` repeats a row,
+    one of its sources lands there, as with scatter)."""
     b, h, t, d = x.shape
     if not x.is_contiguous() or index.numel() == 0:
         x.scatter_(2, _expand(index, d, x.device), src)
