@@ -125,7 +125,7 @@ def retier_after_read(cache: Any, prefix: int) -> None:
     """Re-tier ``cache`` for the question that ``read_question(..., retier=False)`` has just read over a document of
     ``prefix`` tokens, from the queries that pass recorded: what the pass would have done layer by layer."""
     with torch.no_grad():
-        cache.retier_exact(cache.take_queries(), keep_from=prefix)
+        cache.retier(cache.take_queries(), keep_from=prefix, exact=True)
 
 
 @dataclass

@@ -141,13 +141,16 @@ class TieredCache(Cache):
         assoc = min(length - core, resolve_budget(self.kv.association_tokens, length))
         return core, assoc
 
-    def retier(self, queries: Sequence[torch.Tensor | None] | None = None, keep_from: int | None = None
-               ) -> dict[str, int]:
+    def retier(self, queries: Sequence[torch.Tensor | None] | None = None, keep_from: int | None = None,
+               exact: bool = False) -> dict[str, int]:
         """Assign every cached token to a tier for the current question; no prefill, nothing dropped.
 
         ``queries``: per layer, post-RoPE query vectors [B, Hq, M, D] of the question (from ``take_queries``);
         ``None`` uses queries recorded in the cache, or else the newest core keys as a stand-in.
         ``keep_from``: positions from here on stay in the core (the question's own tokens, already in the cache).
+        ``exact``: each layer re-tiers with every position's exact K/V at hand, as a question's exact pass does
+        inside it (``exact_view(retier_from=keep_from)``): for a pass that only read (``read_question(...,
+        retier=False)``), whose tiers then come out the same bit for bit.
         Returns the token counts per tier (per layer and head).
         """
         length = self.get_seq_length()
@@ -155,19 +158,10 @@ class TieredCache(Cache):
             return self.tier_tokens()
         for i, layer in enumerate(self.layers):
             if layer.is_initialized:
-                self.retier_layer(i, queries[i] if queries is not None else layer.queries, keep_from)
+                with layer.reading_all() if exact else nullcontext():
+                    self.retier_layer(i, queries[i] if queries is not None else layer.queries, keep_from)
         self._retiered()
         return self.tier_tokens()
-
-    def retier_exact(self, queries: Sequence[torch.Tensor | None], keep_from: int) -> None:
-        """Re-tier every layer as a question's exact pass does inside it (``exact_view(retier_from=keep_from)``):
-        with every position's exact K/V at hand, from each layer's ``queries``. For a pass that only read
-        (``read_question(..., retier=False)``); the tiers are the same bit for bit."""
-        for i, layer in enumerate(self.layers):
-            if layer.is_initialized:
-                with layer.reading_all():
-                    self.retier_layer(i, queries[i], keep_from)
-        self._retiered()
 
     def _retiered(self) -> None:
         """Book a finished re-tier of every layer (by ``retier`` or inside a question's exact pass)."""
