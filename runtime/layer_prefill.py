@@ -28,33 +28,13 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import torch.nn.functional as F
 
 from docfuse.runtime.kv.background import ArchiveWriter
 from docfuse.runtime.kv.tiered import TieredCache
-from docfuse.runtime.llama_block import LlamaBlock, rope
+from docfuse.runtime.llama_block import LlamaBlock, causal_attention, rope
 
 #: GIL hand-off interval (s) while helper threads run beside the layer loop (Python's default is 5 ms).
 HANDOFF_S = 1e-4
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal SDPA of a chunk's queries [B, Hq, T, D] over keys [B, Hkv, S, D] whose last ``T`` are the chunk's own.
-
-    The causal diagonal is aligned to the bottom right (query ``i`` sees keys ``<= S - T + i``) without building an
-    ``T x S`` mask where the GPU kernels can avoid it.
-    """
-    t, s = q.shape[2], k.shape[2]
-    if t == s:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    from torch.nn.attention.bias import causal_lower_right
-
-    try:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, s), scale=scale,
-                                              enable_gqa=True)
-    except RuntimeError:  # a backend without bottom-right causal + GQA: an explicit mask (T x S booleans)
-        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 class DocumentAttention:

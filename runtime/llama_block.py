@@ -39,6 +39,26 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "inner", module)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal SDPA of a chunk's queries [B, Hq, T, D] over keys [B, Hkv, S, D] whose last ``T`` are the chunk's own.
+
+    The causal diagonal is aligned to the bottom right (query ``i`` sees keys ``<= S - T + i``) without building an
+    ``T x S`` mask where the GPU kernels can avoid it: flash attention applies that diagonal itself (the layer-major
+    prefill, and a prefill chunk or a question over a cache through ``runtime.kv.code_attention.unpadded_causal``).
+    """
+    t, s = q.shape[2], k.shape[2]
+    if t == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    from torch.nn.attention.bias import causal_lower_right
+
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, s), scale=scale,
+                                              enable_gqa=True)
+    except RuntimeError:  # a backend without bottom-right causal + GQA: an explicit mask (T x S booleans)
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 def norm_eps(norm: torch.nn.Module) -> float:
     """An RMSNorm module's epsilon, whichever name the model gives it."""
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))

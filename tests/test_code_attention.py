@@ -192,7 +192,7 @@ def test_a_masked_pass_reads_grouped_heads_in_place_bit_for_bit(dtype, monkeypat
     for swap in (False, True):
         with monkeypatch.context() as m:
             if not swap:
-                m.setattr(session, "grouped_sdpa", lambda model: contextlib.nullcontext())
+                m.setattr(session, "grouped_sdpa", lambda model, causal=False: contextlib.nullcontext())
             cache = DynamicCache(config=config)
             with torch.no_grad():
                 session.forward_tokens(model, cache, ids[0, :280].tolist())
@@ -200,3 +200,72 @@ def test_a_masked_pass_reads_grouped_heads_in_place_bit_for_bit(dtype, monkeypat
                 last.append(session.forward_tokens(model, cache, ids[0, 280:].tolist()))
         assert grouped and all(g == swap for g in grouped)
     assert torch.equal(last[0], last[1])
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "tiered"])
+def test_unpadded_passes_build_no_mask_and_give_the_masked_logits(cache_kind, monkeypatch) -> None:
+    """On a GPU a prefill chunk over a cache and a question's exact read build no ``T x S`` mask: attention applies
+    the bottom-right causal diagonal itself (flash attention there). Forced on here on the CPU, the chunks (the
+    first one square, the later ones over a cache) and the question give the masked path's logits, and no mask
+    reaches attention; a misaligned diagonal (top-left ``is_causal``) would change every chunk after the first."""
+    from transformers import DynamicCache
+
+    from docfuse.runtime import llama_block, session
+    from docfuse.runtime.kv import read_question
+
+    model = tiny()
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))[0].tolist()
+    question = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(6))
+
+    def run() -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        cache = DynamicCache(config=model.config) if cache_kind == "dynamic" else TieredCache(model.config, {})
+        with torch.no_grad():
+            chunks = [session.forward_tokens(model, cache, ids[i: i + 128]) for i in range(0, len(ids), 128)]
+            read = read_question(model, cache, question) if cache_kind == "tiered" else None
+        return chunks, read
+
+    masked = run()
+    seen: list[tuple[int, int, bool]] = []
+    causal = llama_block.causal_attention
+
+    def spy(q, k, v, scale):
+        seen.append((q.shape[2], k.shape[2], ca._unpadded.on))
+        return causal(q, k, v, scale)
+
+    monkeypatch.setattr(ca, "causal_attention", spy)
+    monkeypatch.setattr(ca, "_mask_free", lambda param: True)
+    free = run()
+    for a, b in zip(masked[0], free[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if cache_kind == "tiered":
+        torch.testing.assert_close(masked[1], free[1], rtol=1e-5, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    want = [(128, 128), (128, 256), (44, 300)] + ([(7, 307)] if cache_kind == "tiered" else [])
+    assert [(t, s) for t, s, _ in seen] == [shape for shape in want for _ in range(layers)]
+    assert all(on for *_, on in seen) and not getattr(ca._unpadded, "on", False)
+    assert model.config._attn_implementation == "sdpa"  # the swap ended with the passes
+
+
+def test_a_pass_with_its_own_mask_keeps_it_inside_the_mask_free_mode(monkeypatch) -> None:
+    """``read_questions`` brings its own mask (each question sees the document and itself, not the others): even
+    inside the mask-free mode its questions read as they read alone (attention keeps a mask it is given)."""
+    from docfuse.runtime import session
+    from docfuse.runtime.kv import read_question, read_questions
+
+    monkeypatch.setattr(ca, "_mask_free", lambda param: True)
+    model = tiny()
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(7))[0].tolist()
+    questions = [[5, 6, 7, 8], [9, 10, 11]]
+    alone = []
+    for q in questions:
+        cache = TieredCache(model.config, {})
+        with torch.inference_mode():
+            session.fill_cache(model, cache, ids, 128)
+            alone.append(read_question(model, cache, torch.tensor([q])))
+    cache = TieredCache(model.config, {})
+    with torch.inference_mode(), ca.unpadded_causal(model) as on:  # as if a caller had wrapped it
+        assert on
+        session.fill_cache(model, cache, ids, 128)
+        together = read_questions(model, cache, questions)
+    for a, read in zip(alone, together):
+        torch.testing.assert_close(a, read.logits, rtol=1e-4, atol=1e-4)

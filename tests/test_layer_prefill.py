@@ -16,7 +16,8 @@ from docfuse.runtime.gpu.batch import stack_caches
 from docfuse.runtime.gpu.kernel_cache import KernelTieredCache, register_attention
 from docfuse.runtime.kv import TieredCache, record_queries
 from docfuse.runtime.kv.background import ArchiveWriter, ExactArchive
-from docfuse.runtime.layer_prefill import causal_attention, layer_major_prefill
+from docfuse.runtime.layer_prefill import layer_major_prefill
+from docfuse.runtime.llama_block import causal_attention
 from docfuse.runtime.session import cache_kwarg
 
 GPU = pytest.mark.skipif(not (ak.HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and a CUDA GPU")

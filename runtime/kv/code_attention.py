@@ -31,6 +31,7 @@ import torch
 
 from docfuse.runtime.citations import record_forward
 from docfuse.runtime.kv.association import AssociationStore
+from docfuse.runtime.llama_block import causal_attention
 
 
 def supports(assoc: AssociationStore | None) -> bool:
@@ -130,6 +131,11 @@ def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, 
 ATTN_NAME = "docfuse_codes"
 
 _handover = threading.local()  # layer_idx -> the layer whose one-token update awaits its attention call
+_unpadded = threading.local()  # .on: this thread's passes are one unpadded sequence over its cache (unpadded_causal)
+
+#: Whether :func:`grouped_sdpa` (``causal=True``) takes the mask-free path on an accelerator; the GPU benches turn it
+#: off to measure the masked anchor in the same run.
+MASK_FREE_ON_ACCELERATORS = True
 
 
 def hand_over(layer: Any) -> None:
@@ -173,6 +179,10 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     bit for bit (tests/test_code_attention.py), 1.3-1.7x faster for a question's 20-64 tokens over 7K."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if (getattr(_unpadded, "on", False) and attention_mask is None and query.shape[2] > 1
+            and not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("position_bias") is None):
+        # inside unpadded_causal the mask builder made no mask: every cached token is visible, the new ones causal
+        return causal_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
     groups = getattr(module, "num_key_value_groups", 1)
     if (query.device.type == "cpu" and groups > 1 and query.shape[2] > 1 and attention_mask is not None
             and attention_mask.dtype == torch.bool and not kwargs.get("dropout") and kwargs.get("softcap") is None
@@ -188,8 +198,12 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        # inside unpadded_causal no mask is built: the attention applies the bottom-right causal diagonal itself
+        return None if getattr(_unpadded, "on", False) else sdpa_mask(*args, **kwargs)
+
     AttentionInterface.register(ATTN_NAME, attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_NAME, mask)
     return ATTN_NAME
 
 
@@ -224,14 +238,44 @@ def swapped_attention(model: torch.nn.Module) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def grouped_sdpa(model: torch.nn.Module) -> Iterator[None]:
+def unpadded_causal(model: torch.nn.Module) -> Iterator[bool]:
+    """Inside, in this thread: the model's passes are one unpadded sequence over its cache (batch 1, no attention
+    mask given), so every cached token is visible and the new tokens are causal among themselves. No ``T x S`` mask
+    is built; attention applies that bottom-right causal diagonal itself (``llama_block.causal_attention``: flash
+    attention on a GPU). Yields whether it is on (a model on SDPA).
+
+    Why: with a mask, a prefill chunk over a cache or a question over a document takes CUDA's masked kernels
+    (cuDNN, which builds a plan for every new shape, ~0.6 s the first time: bench/RESULTS.md, issue 23) over every
+    key, where flash attention skips the blocks above the diagonal. Not for a pass that brings its own mask
+    (``read_questions``) or a padded batch."""
+    with swapped_attention(model) as on:
+        previous = getattr(_unpadded, "on", False)
+        _unpadded.on = on
+        try:
+            yield on
+        finally:
+            _unpadded.on = previous
+
+
+def _mask_free(param: torch.Tensor) -> bool:
+    """Whether unpadded passes on this parameter's device build no mask: on an accelerator (the CPU keeps its masked
+    read of grouped heads in place, whose numbers tests hold bit for bit to transformers')."""
+    return param.device.type != "cpu" and MASK_FREE_ON_ACCELERATORS
+
+
+@contextlib.contextmanager
+def grouped_sdpa(model: torch.nn.Module, causal: bool = False) -> Iterator[None]:
     """Inside: a model on the CPU reads grouped-query K/V heads in place in masked passes (:func:`sdpa_forward`,
-    the same numbers as transformers' SDPA); on other devices nothing changes."""
+    the same numbers as transformers' SDPA). ``causal``: the caller's passes are one unpadded sequence over its
+    cache, and on an accelerator they build no mask (:func:`unpadded_causal`); otherwise nothing changes there."""
     param = next(model.parameters(), None)
-    if param is None or param.device.type != "cpu":
-        yield
-        return
-    with swapped_attention(model):
+    if param is not None and causal and _mask_free(param):
+        with unpadded_causal(model):
+            yield
+    elif param is not None and param.device.type == "cpu":
+        with swapped_attention(model):
+            yield
+    else:
         yield
 
 

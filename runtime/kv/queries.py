@@ -89,7 +89,7 @@ def prepare_question(model: torch.nn.Module, cache: Any, question_ids: torch.Ten
     prefix = cache.get_seq_length()
     kwargs = _last_logits_kwargs(model, cache)  # only the queries matter here
     tokens = getattr(getattr(cache, "kv", None), "query_tokens", 64)
-    with torch.no_grad(), record_queries(model, cache, tokens=tokens), grouped_sdpa(model):
+    with torch.no_grad(), record_queries(model, cache, tokens=tokens), grouped_sdpa(model, causal=True):
         model(input_ids=question_ids, use_cache=True, **kwargs)
     queries = cache.take_queries()
     cache.rollback(prefix)
@@ -116,7 +116,7 @@ def read_question(model: torch.nn.Module, cache: Any, question_ids: torch.Tensor
     positions = torch.arange(prefix, prefix + question_ids.shape[1], device=question_ids.device).unsqueeze(0)
     # each layer re-tiers inside the pass, from the exact read its attention just made (one archive read, not two)
     with torch.no_grad(), cache.exact_view(retier_from=prefix if retier else None), \
-            record_queries(model, cache, tokens=cache.kv.query_tokens), grouped_sdpa(model):
+            record_queries(model, cache, tokens=cache.kv.query_tokens), grouped_sdpa(model, causal=True):
         out = model(input_ids=question_ids, position_ids=positions, use_cache=True, **kwargs)
     return out.logits[0, -1]
 
