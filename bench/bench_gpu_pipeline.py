@@ -219,9 +219,10 @@ def tiered_graph_anchor(model, length: int, new_tokens: int, chunk: int = 8192) 
     return {"tokens": length, "ttft_s": ttft, "decode_ms_per_token": seconds * 1e3, "decode_tok_s": 1 / seconds}
 
 
-#: ``answer.prefill_chunk`` of every run (``--prefill-chunk``): 8,192 (the default on CUDA), or larger to prefill a
-#: document below 64K tokens in one pass
-PREFILL_CHUNK = [8192]
+#: ``answer.prefill_chunk`` of every run (``--prefill-chunk``): ``auto`` (on CUDA one pass for a document below 64K,
+#: 8,192-token chunks where the engine's streams need that memory), or a token count (8,192: the bench before
+#: 2026-12-07, whose unsuffixed workloads ran with it)
+PREFILL_CHUNK: list[int | str] = ["auto"]
 
 
 def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, new_tokens: int, engine: str,
@@ -298,8 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", choices=["each", "together"], default="each",
                         help="kv.questions: each question re-tiers alone, or a document's questions share one re-tier "
                         "and one copy of its tiers (workloads are then kept as NAME_together)")
-    parser.add_argument("--prefill-chunk", type=int, default=8192, help="answer.prefill_chunk of every run (a "
-                        "document below 64K tokens and this many prefills in one pass)")
+    parser.add_argument("--prefill-chunk", default="auto", help="answer.prefill_chunk of every run: auto, or a "
+                        "token count (workloads are then kept as NAME_chunkN)")
     parser.add_argument("--kv", default=None, help="the engine's kv: block as JSON instead of the bench's budgets "
                         "(for example '{}': KVConfig's defaults, chosen by fidelity); workloads are then kept as "
                         "NAME_kv")
@@ -311,11 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s %(message)s", level=logging.WARNING)
     logging.getLogger("docfuse.engine").setLevel(logging.INFO)
 
-    PREFILL_CHUNK[0] = args.prefill_chunk
+    PREFILL_CHUNK[0] = args.prefill_chunk if args.prefill_chunk == "auto" else int(args.prefill_chunk)
     budgets = KV if args.kv is None else {"prefill": "tokens", **json.loads(args.kv)}
     kv = {**budgets, "questions": args.questions}
     suffix = (("" if args.questions == "each" else "_" + args.questions) + ("" if args.kv is None else "_kv")
-              + ("" if args.prefill_chunk == 8192 else f"_chunk{args.prefill_chunk}"))
+              + ("" if args.prefill_chunk == "auto" else f"_chunk{args.prefill_chunk}"))
 
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     result.update({"card": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     # A document of two prefill chunks through both paths: the second chunk's masked attention, and whatever else a
     # path does first, is paid here by each path itself, not by whichever of the two happens to run first in a
     # workload (the engine ran first, and its 32K TTFT carried the first masked chunk: 1.31x DynamicCache's).
-    longer = write_documents(args.work / "docs", 1, PREFILL_CHUNK[0] + 2048, tokenizer, seed=5)
+    longer = write_documents(args.work / "docs", 1, 8192 + 2048, tokenizer, seed=5)
     run_pipeline(model_dir, longer, QUESTIONS[:1], kv, 4, "on", args.max_streams)
     run_pipeline(model_dir, longer, QUESTIONS[:1], None, 4, "off", 1)
     for workload in args.workloads:

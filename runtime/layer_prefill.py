@@ -35,6 +35,10 @@ from docfuse.runtime.llama_block import LlamaBlock, causal_attention, rope
 
 #: GIL hand-off interval (s) while helper threads run beside the layer loop (Python's default is 5 ms).
 HANDOFF_S = 1e-4
+#: Most tokens a layer-major call takes: each layer's attention is exact at any chunk, and calls of 8,192 tokens
+#: already run the GPU's matmuls at full speed, so a larger one (``prefill_chunk: auto`` is 65,536 on CUDA) would only
+#: hold more activation memory beside the long document this prefill exists for.
+MAX_CHUNK = 8192
 
 
 class DocumentAttention:

@@ -125,9 +125,12 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-#: ``prefill_chunk: auto`` per device type: document tokens a prefill pass takes (what the CPU and the GPU
-#: benchmarks ran with: a GPU runs a long chunk at full speed, a CPU keeps its working set in cache).
-AUTO_PREFILL_CHUNK = {"cpu": 512, "cuda": 8192}
+#: ``prefill_chunk: auto`` per device type: document tokens a prefill pass takes. A CPU keeps its working set in
+#: cache; a GPU prefills a document below 64K tokens in one pass, whose square causal attention is the fastest
+#: kernel there (35K tokens of an 8B model on an H100: TTFT 0.77x that of 8,192-token chunks, bench/RESULTS.md).
+AUTO_PREFILL_CHUNK = {"cpu": 512, "cuda": 65536}
+#: ``auto`` on CUDA where one pass would take device memory a run needs more (the engine's pages for its streams)
+TIGHT_PREFILL_CHUNK = 8192
 
 
 def prefill_chunk_for(value: int | str | None, device: Any) -> int:

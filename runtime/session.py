@@ -481,9 +481,10 @@ def fill_cache(model: Any, cache: Any, ids: Sequence[int], chunk_size: int, embe
     """Prefill an empty ``cache`` with a document: ``chunk_size`` tokens per forward, or with ``layers`` one layer
     over the whole document at a time (runtime.layer_prefill; ``writer`` archives each layer in the background)."""
     if layers and ids:
-        from docfuse.runtime.layer_prefill import layer_major_prefill
+        from docfuse.runtime.layer_prefill import MAX_CHUNK, layer_major_prefill
 
-        layer_major_prefill(model, cache, chunk=chunk_size, writer=writer, **_inputs(model, ids, embeds))
+        layer_major_prefill(model, cache, chunk=min(chunk_size, MAX_CHUNK), writer=writer,
+                            **_inputs(model, ids, embeds))
         return
     progress = PROGRESS.get()
     for start in range(0, len(ids), chunk_size):

@@ -27,8 +27,9 @@ class DecodeParams(StageParams):
     prompt: str = Field("{question}", description="template of the question text; {question} is replaced")
     max_new_tokens: int = Field(128, gt=0, description="most answer tokens per question")
     prefill_chunk: int | Literal["auto"] = Field(
-        "auto", description="document tokens per prefill forward pass; auto: 512 on the CPU, 8192 on CUDA (a GPU "
-                            "runs a long chunk at full speed; a CPU keeps its working set in cache)")
+        "auto", description="document tokens per prefill forward pass; auto: 512 on the CPU (it keeps its working "
+                            "set in cache), 65536 on CUDA (a document below 64K in one pass, the fastest attention "
+                            "there; the engine chunks by 8192 where that pass would take its streams' memory)")
     truncate: Literal["none", "head", "head_tail", "retrieve"] = Field(
         "none", description="a document longer than the context: none = error row, head = keep its beginning, "
                             "head_tail = keep beginning and end, retrieve = each question reads the pages that "
@@ -187,7 +188,7 @@ class DecodeGenerate(Stage):
             if self.engine_note is None:
                 stopper = self.session.stopper
                 self.engine = Engine(model, p.kv, self.session.stop_ids, max_streams=p.max_streams,
-                                     prefill_chunk=self.prefill_chunk,
+                                     prefill_chunk=None if p.prefill_chunk == "auto" else self.prefill_chunk,
                                      stop_when=stopper.should_stop if stopper is not None else None)
             else:
                 print(f"decode.generate: the batched engine does not serve {self.engine_note}; decoding one question "

@@ -288,6 +288,46 @@ def test_the_open_documents_archive_stays_on_the_card_when_it_fits_beside_the_st
     assert Engine(model, KV, set(), archive="host")._device_archive(10) is False
 
 
+def test_an_automatic_prefill_chunk_is_one_pass_unless_the_streams_need_that_memory(monkeypatch) -> None:
+    """prefill_chunk auto on CUDA: a document prefilled token by token in one pass of up to 65,536 tokens (the
+    fastest attention there), unless that pass's activations would leave the pool short of what the run's streams
+    need: then 8,192. A given chunk is kept; a layer-major prefill reserves at most 8,192 tokens' activations. The
+    rule, on the CPU with the card's free memory stood in."""
+    from docfuse.runtime.layer_prefill import MAX_CHUNK
+    from docfuse.runtime.loading import AUTO_PREFILL_CHUNK, TIGHT_PREFILL_CHUNK
+
+    model = tiny()
+    auto = Engine(model, KV, set())
+    assert auto.prefill_chunk == AUTO_PREFILL_CHUNK["cpu"] and auto._auto_pool_bytes(40000, 1 << 20) == 1 << 30
+    streams = 1 << 30
+
+    def card(engine: Engine, free: int) -> None:
+        engine.device = torch.device("cuda")
+        engine.prefill_chunk = engine._chunk_setting = AUTO_PREFILL_CHUNK["cuda"]
+        monkeypatch.setattr(engine, "_cuda_pool_bytes",
+                            lambda longest, wanted: free - engine.prefill_reserve(longest, archive=False))
+
+    card(auto, 0)
+    one_pass = auto.prefill_reserve(40000, archive=False)
+    card(auto, streams + one_pass)  # room for the streams beside one pass
+    assert auto._auto_pool_bytes(40000, streams) >= streams and auto.prefill_chunk == AUTO_PREFILL_CHUNK["cuda"]
+    card(auto, streams + one_pass - 1)  # one byte short: chunks, and the pool gets what chunking frees
+    nbytes = auto._auto_pool_bytes(40000, streams)
+    assert auto.prefill_chunk == TIGHT_PREFILL_CHUNK and nbytes == streams + one_pass - 1 - auto.prefill_reserve(
+        40000, archive=False) > streams - 1
+    given = Engine(model, KV, set(), prefill_chunk=AUTO_PREFILL_CHUNK["cuda"])
+    card(given, streams + one_pass - 1)
+    given._auto_chunk = False
+    assert given._auto_pool_bytes(40000, streams) < streams and given.prefill_chunk == AUTO_PREFILL_CHUNK["cuda"]
+    # the reserve follows the chunk for a token-major prefill, and stops at MAX_CHUNK for a layer-major one
+    auto.prefill_chunk = AUTO_PREFILL_CHUNK["cuda"]
+    assert auto.prefill_reserve(40000, archive=False) > auto.prefill_reserve(20000, archive=False)
+    layers = Engine(model, {**KV, "prefill": "layers"}, set(), prefill_chunk=AUTO_PREFILL_CHUNK["cuda"])
+    small = Engine(model, {**KV, "prefill": "layers"}, set(), prefill_chunk=MAX_CHUNK)
+    assert layers.prefill_reserve(40000, archive=False) == small.prefill_reserve(40000, archive=False)
+
+
+
 @torch.inference_mode()
 def together_alone(model, kv: dict, prefix: list[int], questions: list[list[int]], max_new: int,
                    stops: set[int]) -> list[list[int]]:

@@ -113,6 +113,18 @@ def test_layer_major_prefill_takes_embeddings_and_leaves_them_alone() -> None:
     torch.testing.assert_close(a, b)
 
 
+def test_a_layer_major_prefill_takes_at_most_max_chunk_tokens_a_call(monkeypatch) -> None:
+    """``prefill_chunk: auto`` is 65,536 on CUDA (one pass for a token-major document); a layer-major prefill only
+    holds more activations with calls that large, so ``fill_cache`` gives it at most ``MAX_CHUNK``."""
+    from docfuse.runtime import layer_prefill, session
+
+    seen = []
+    monkeypatch.setattr(layer_prefill, "layer_major_prefill", lambda model, cache, chunk, **kw: seen.append(chunk))
+    for chunk in (65536, layer_prefill.MAX_CHUNK, 100):
+        session.fill_cache(tiny(), TieredCache(tiny().config, {}), list(range(10)), chunk, layers=True)
+    assert seen == [layer_prefill.MAX_CHUNK, layer_prefill.MAX_CHUNK, 100]
+
+
 def test_causal_attention_aligns_the_diagonal_bottom_right() -> None:
     q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
     out = causal_attention(q, k, v, 0.25)

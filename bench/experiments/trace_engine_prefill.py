@@ -56,7 +56,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path.home() / "docfuse-bench")
     parser.add_argument("--masked", action="store_true", help="prefill chunks and questions with transformers' "
                         "masks (the path before code_attention.unpadded_causal), the anchor")
+    parser.add_argument("--prefill-chunk", default="8192", help="answer.prefill_chunk: auto or tokens (8192: the "
+                        "bench's chunk when this ran first)")
     args = parser.parse_args()
+    PREFILL_CHUNK[0] = args.prefill_chunk if args.prefill_chunk == "auto" else int(args.prefill_chunk)
     from docfuse.runtime.kv import code_attention
 
     code_attention.MASK_FREE_ON_ACCELERATORS = not args.masked
@@ -107,14 +110,14 @@ def main() -> None:
 
     engine_module.Engine._open = watched_open
 
-    result: dict = {"card": torch.cuda.get_device_name(0), "masked": args.masked}
+    result: dict = {"card": torch.cuda.get_device_name(0), "masked": args.masked, "prefill_chunk": args.prefill_chunk}
     result["copy_bandwidth_tb_s"] = copy_bandwidth(2 << 30, 10) / 1e12
     model_dir = args.work / "llama8b-random"
     model, tokenizer = model_folder(model_dir, args.tokenizer, False)
     kv = {**KV, "questions": "each"}
     warm = write_documents(args.work / "docs", 2, 2048, tokenizer, seed=0)
     run_pipeline(model_dir, warm, QUESTIONS[:2], kv, 4, "on", 64)
-    longer = write_documents(args.work / "docs", 1, PREFILL_CHUNK[0] + 2048, tokenizer, seed=5)
+    longer = write_documents(args.work / "docs", 1, 8192 + 2048, tokenizer, seed=5)
     run_pipeline(model_dir, longer, QUESTIONS[:1], kv, 4, "on", 64)
     run_pipeline(model_dir, longer, QUESTIONS[:1], None, 4, "off", 1)
     paths = write_documents(args.work / "docs", 1, 32768, tokenizer, seed=2)

@@ -46,7 +46,8 @@ from docfuse.runtime.kv import (KVConfig, QuestionRead, TieredCache, as_kv_confi
                                 read_questions, retier_after_read)
 from docfuse.runtime.kv.background import DeviceArchive
 from docfuse.runtime.kv.config import resolve_budget
-from docfuse.runtime.loading import prefill_chunk_for
+from docfuse.runtime.layer_prefill import MAX_CHUNK as LAYER_MAJOR_CHUNK
+from docfuse.runtime.loading import TIGHT_PREFILL_CHUNK, prefill_chunk_for
 
 log = logging.getLogger("docfuse.engine")
 #: The stats of the most recent :meth:`Engine.run` in this process (benchmarks read it through the pipeline).
@@ -153,8 +154,9 @@ class Engine:
             prefill workspace of the longest document, or 1 GiB elsewhere.
         max_streams: most streams decoding at once (the largest bucket used).
         graphs: capture each bucket's step as a CUDA graph (default: on CUDA).
-        prefill_chunk: tokens per forward of the document prefill (None: 8,192 on CUDA, 512 elsewhere;
-            ``runtime.loading.prefill_chunk_for``).
+        prefill_chunk: tokens per forward of the document prefill (None or ``auto``: 512 on the CPU; on CUDA
+            65,536, one pass for a document the engine prefills token by token, unless that pass's activations would
+            take pages the run's streams need: then 8,192; a layer-major prefill takes at most 8,192 a call).
         layer_major_from: documents of at least this many tokens prefill layer by layer (``kv.prefill: layers``
             always does).
         memory_fraction: share of free device memory the pool may take when it is sized automatically.
@@ -181,7 +183,10 @@ class Engine:
         self.pool_bytes, self.memory_fraction = pool_bytes, memory_fraction
         self.buckets = tuple(b for b in BUCKETS if b < max_streams) + (max_streams,)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.prefill_chunk, self.layer_major_from = prefill_chunk_for(prefill_chunk, self.device), layer_major_from
+        self.layer_major_from = layer_major_from
+        self._auto_chunk = prefill_chunk in (None, "auto")
+        #: tokens per prefill forward of this run (``_make_pool`` may lower an automatic one)
+        self.prefill_chunk = self._chunk_setting = prefill_chunk_for(prefill_chunk, self.device)
         self.limit = int(model.config.max_position_embeddings)
         self.archive = archive
         self.stop_when = stop_when
@@ -253,7 +258,7 @@ class Engine:
             cache = full
         if self._device_archive(tokens) if archive is None else archive:
             cache += full
-        chunk = min(tokens, self.prefill_chunk)
+        chunk = min(tokens, self.prefill_chunk, LAYER_MAJOR_CHUNK if self._layer_major(tokens) else tokens)
         inter = int(getattr(config, "intermediate_size", 4 * hidden))
         # SDPA's fused kernels never hold the chunk x document scores; the MLP's and projections' rows do count
         activations = chunk * (3 * inter + 6 * hidden) * 4 + int(config.vocab_size) * 4 * 2
@@ -291,26 +296,41 @@ class Engine:
             streams += n
         self._archive_room = 0  # no room beyond the static rule unless this run's free memory says so
         nbytes = self.pool_bytes
+        self.prefill_chunk = self._chunk_setting
         if nbytes is None:
-            if self.device.type == "cuda":
-                longest = max((len(d.prefix) for d in docs), default=0)
-                # what the driver has free plus what torch's allocator holds cached but unused (an earlier pool)
-                free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
-                    - torch.cuda.memory_allocated(self.device)
-                logits = max(self.buckets) * int(self.model.config.vocab_size) * 4 * 4
-                # an open document's exact K/V may also wait on the device (its questions then start from slices,
-                # not from the host) when they fit beside everything this run's streams need: one 128K document
-                # on an 80 GB card, not 32 of them
-                spare = free - logits - self.prefill_reserve(longest, archive=False) - sum(per_stream)
-                self._archive_room = int(spare * ARCHIVE_ROOM_SHARE)
-                nbytes = int((free - self.prefill_reserve(longest) - logits) * self.memory_fraction)
-            else:
-                nbytes = GB
+            nbytes = self._auto_pool_bytes(max((len(d.prefix) for d in docs), default=0), sum(per_stream))
         # never more than every stream at once needs (plus a page of each tier for rounding): a small batch keeps
         # the rest of the card free
         nbytes = min(nbytes, sum(per_stream) + 2 * (s.core_page_bytes + s.assoc_page_bytes))
         nbytes = max(nbytes, s.core_page_bytes + s.assoc_page_bytes)
         return PagePool.sized(s, nbytes, share, self.device)
+
+    def _auto_pool_bytes(self, longest: int, streams_bytes: int) -> int:
+        """Device bytes for the pool when none were given: on CUDA its share of free memory after the prefill of the
+        ``longest`` document; an automatic prefill chunk drops from one pass to 8,192 tokens when one pass would
+        leave the pool short of ``streams_bytes`` (what the largest bucket's streams hold)."""
+        if self.device.type != "cuda":
+            return GB
+        nbytes = self._cuda_pool_bytes(longest, streams_bytes)
+        if self._auto_chunk and nbytes < streams_bytes and self.prefill_chunk > TIGHT_PREFILL_CHUNK:
+            # one pass's activations would take pages the run's streams need: prefill in chunks instead
+            self.prefill_chunk = TIGHT_PREFILL_CHUNK
+            nbytes = self._cuda_pool_bytes(longest, streams_bytes)
+        return nbytes
+
+    def _cuda_pool_bytes(self, longest: int, streams_bytes: int) -> int:
+        """The page pool's share of the card's free memory, after the open document's prefill (and sets the room
+        its exact K/V may take beside the pool)."""
+        # what the driver has free plus what torch's allocator holds cached but unused (an earlier pool)
+        free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
+            - torch.cuda.memory_allocated(self.device)
+        logits = max(self.buckets) * int(self.model.config.vocab_size) * 4 * 4
+        # an open document's exact K/V may also wait on the device (its questions then start from slices, not from
+        # the host) when they fit beside everything this run's streams need: one 128K document on an 80 GB card,
+        # not 32 of them
+        spare = free - logits - self.prefill_reserve(longest, archive=False) - streams_bytes
+        self._archive_room = int(spare * ARCHIVE_ROOM_SHARE)
+        return int((free - self.prefill_reserve(longest) - logits) * self.memory_fraction)
 
     # ---- the run -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -327,6 +347,7 @@ class Engine:
         self.steps = {}
         self.stats = {"steps": 0, "max_live": 0, "max_live_documents": 0, "step_s": 0.0, "capture_s": 0.0,
                       "deferred_retier_s": 0.0, "buckets": {}, "pool_bytes": pool.nbytes(),
+                      "prefill_chunk": self.prefill_chunk,
                       "core_pages": pool.core_total, "assoc_pages": pool.assoc_total}
         # kv.questions: together: a document's streams read its shared pages in one program (the cascade kernel)
         members = min(MAX_MEMBERS, max((len(d.questions) for d in docs), default=1)) if self.together else 1
