@@ -139,11 +139,22 @@ if HAS_TRITON:
         tl.store(ACC_OUT + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
 
 
+#: Launch settings: ``num_warps`` (None: 8 for pages of 128 tokens or more, else 4), ``num_stages`` (a plain paged
+#: launch in 16-bit; a cascade launch, whose query block grows with its members, and a float32 one keep
+#: ``SAFE_STAGES``), and ``programs_per_sm``, the programs per multiprocessor the splits aim at. Swept at batch 1 and
+#: 132K on an H100 (``bench/experiments/sweep_paged_kernel.py``): 4 stages took 166.7 us a layer alone against 183.3
+#: with 2, but the engine's 128K decode did not move (99.6 tok/s against 101.0), so 2 stays.
+TUNED: dict[str, int | None] = {"num_warps": None, "num_stages": 2, "programs_per_sm": 4}
+SAFE_STAGES = 2
+
+
 def paged_splits(batch_heads: int, max_pages: int, sms: int | None = None) -> int:
-    """Splits per (row, KV head): about four programs per multiprocessor, at most one per page of the widest row."""
+    """Splits per (row, KV head): about ``TUNED["programs_per_sm"]`` programs per multiprocessor, at most one per
+    page of the widest row."""
     if sms is None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-    return max(1, min(max(1, 4 * sms // max(1, batch_heads)), max_pages))
+    per_sm = int(TUNED["programs_per_sm"] or 4)
+    return max(1, min(max(1, per_sm * sms // max(1, batch_heads)), max_pages))
 
 
 def paged_decode_attention(q: torch.Tensor, pool, layer: int, core_table: torch.Tensor, n_core: torch.Tensor,
@@ -222,5 +233,6 @@ def _launch(q: torch.Tensor, pool, layer: int, core_table: torch.Tensor, n_core:
         GQ=gq, MEMBERS=per, BLOCK_G=max(16, triton.next_power_of_2(gq * per)), PAGE=s.page, D=dim,
         KGROUP=s.group, VGROUP=s.vgroup, KBITS=s.key_bits, VBITS=s.value_bits,
         DOT=tl.float32 if precise else _dot_dtype(), PRECISE=precise,
-        num_warps=8 if s.page >= 128 else 4, num_stages=2,
+        num_warps=TUNED["num_warps"] or (8 if s.page >= 128 else 4),
+        num_stages=TUNED["num_stages"] if per == 1 and not precise and q.dtype != torch.float32 else SAFE_STAGES,
     )
