@@ -468,8 +468,9 @@ def forward_tokens(model: Any, cache: Any, ids: Sequence[int], embeds: torch.Ten
     device = next(model.parameters()).device
     positions = torch.arange(past, past + len(ids), device=device).unsqueeze(0)
     # several tokens over a cache (a prefill chunk, a question): grouped K/V heads read in place on the CPU, no mask
-    # built on a GPU (flash attention applies the causal diagonal itself: code_attention.unpadded_causal)
-    with grouped_sdpa(model, causal=True) if len(ids) > 1 else contextlib.nullcontext():
+    # built on a GPU (flash attention applies the causal diagonal itself: code_attention.unpadded_causal); one token
+    # on the CPU: docfuse's attention too (in bf16, two matmuls instead of SDPA's slower kernel there)
+    with grouped_sdpa(model, causal=True) if len(ids) > 1 or device.type == "cpu" else contextlib.nullcontext():
         out = model(**_inputs(model, ids, embeds), position_ids=positions, use_cache=True, logits_to_keep=1,
                     **{cache_kwarg(model): cache})
     return out.logits[0, -1]

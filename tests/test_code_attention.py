@@ -269,3 +269,52 @@ def test_a_pass_with_its_own_mask_keeps_it_inside_the_mask_free_mode(monkeypatch
         together = read_questions(model, cache, questions)
     for a, read in zip(alone, together):
         torch.testing.assert_close(a, read.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_one_bf16_token_on_the_cpu_attends_through_two_matmuls_as_sdpa_does(monkeypatch) -> None:
+    """A one-token bf16 step on the CPU (``Session``'s decode of a full cache) takes ``one_token_attention``: the
+    output of transformers' SDPA within a bf16 step, heads in their grouped order, and the same greedy tokens over a
+    long cache; float32 and several tokens keep the SDPA path."""
+    from transformers import DynamicCache
+
+    from docfuse.runtime import session
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 9, 1, 64).bfloat16()
+    k, v = torch.randn(2, 3, 700, 64).bfloat16(), torch.randn(2, 3, 700, 64).bfloat16()
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    got = ca.one_token_attention(q, k, v, None)
+    assert got.shape == (2, 1, 9, 64)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), rtol=0, atol=2e-2)
+
+    model = tiny().to(torch.bfloat16)
+    calls = []
+    one = ca.one_token_attention
+    monkeypatch.setattr(ca, "one_token_attention", lambda *a: calls.append(a[0].shape) or one(*a))
+    ids = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(8)).tolist()
+
+    def steps(swap: bool, tokens: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy one-token steps (or ``tokens`` fed in turn); their tokens and logits."""
+        cache = DynamicCache(config=model.config)
+        out, logits = [], []
+        with torch.inference_mode(), monkeypatch.context() as m:
+            if not swap:
+                m.setattr(session, "grouped_sdpa", lambda model, causal=False: _null())
+            token = int(session.forward_tokens(model, cache, ids).argmax())
+            for i in range(12):
+                out.append(token if tokens is None else tokens[i])
+                logits.append(session.forward_tokens(model, cache, [out[-1]]).float())
+                token = int(logits[-1].argmax())
+        return out, logits
+
+    tokens, sdpa = steps(False)
+    calls.clear()
+    _, mine = steps(True, tokens)  # the same inputs: logits within bf16 noise (a random model's near ties flip)
+    for a, b in zip(sdpa, mine):
+        assert (a - b).abs().max() < 0.05
+    assert len(calls) == 12 * model.config.num_hidden_layers  # every one-token step, no prefill chunk
+    calls.clear()
+    with torch.inference_mode():
+        session.forward_tokens(tiny(), DynamicCache(config=tiny().config), ids[:5])
+        session.forward_tokens(tiny(), DynamicCache(config=tiny().config), ids[:1])  # float32
+    assert calls == []
