@@ -24,6 +24,7 @@ from docfuse.runtime import metrics
 from docfuse.runtime.kv import KVConfig, as_kv_config, make_cache, prepare_question, read_question
 from docfuse.runtime.kv.code_attention import grouped_sdpa, reading_codes
 from docfuse.runtime.kv.queries import record_queries
+from docfuse.runtime.loading import TIGHT_PREFILL_CHUNK
 from docfuse.runtime.prompt import ChatPrompt, DocumentPrefix, Truncate, truncate_prefix
 from docfuse.runtime.pruning import Pruner, PruningConfig, find_head
 
@@ -243,14 +244,28 @@ class Session:
                 else:
                     self.loaded_from_store = True
                     return self._prefilled(ids, started)
-        self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
-        if self.kv is not None and self.kv.prefill == "layers" and ids:
-            if self.device.type == "cuda" and self._writer is None:
-                from docfuse.runtime.kv.background import ArchiveWriter
+        layers = self.kv is not None and self.kv.prefill == "layers"
+        if layers and ids and self.device.type == "cuda" and self._writer is None:
+            from docfuse.runtime.kv.background import ArchiveWriter
 
-                self._writer = ArchiveWriter()
-        fill_cache(self.model, self.cache, ids, chunk_size, embeds,
-                   layers=self.kv is not None and self.kv.prefill == "layers", writer=self._writer)
+            self._writer = ArchiveWriter()
+        try:
+            self._fill(ids, chunk_size, embeds, layers)
+        except torch.OutOfMemoryError as exc:
+            if chunk_size <= TIGHT_PREFILL_CHUNK or layers:
+                raise
+            # a long pass (prefill_chunk: auto is 65,536 on CUDA) did not fit beside what the device holds: the
+            # same document in 8,192-token passes needs a fraction of the activations
+            warnings.warn(f"prefilling {len(ids)} tokens in passes of {chunk_size} ran out of device memory "
+                          f"({str(exc).splitlines()[0]}); prefilling in passes of {TIGHT_PREFILL_CHUNK} instead (set "
+                          "answer.prefill_chunk to choose)", stacklevel=2)
+            chunk_size = TIGHT_PREFILL_CHUNK
+            self.cache = None  # what the failed pass left, then the allocator's cached blocks with it
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._fill(ids, chunk_size, embeds, layers)
+            if store_key is not None:  # the state is that of the smaller passes: keyed as such
+                store_key = self.kv_store.key(self.model, ids, embeds=embeds, chunk_size=chunk_size, kind=kind)
         self.document_prefills += 1
         seconds = self._prefilled(ids, started)
         if store_key is not None:  # after the clock: storing is not the first answer's wait
@@ -268,6 +283,12 @@ class Session:
                 warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next "
                               "run prefills it again", stacklevel=2)
         return seconds
+
+    def _fill(self, ids: list[int], chunk_size: int, embeds: torch.Tensor | None, layers: bool) -> None:
+        """A fresh cache holding the document (the previous document's cache is dropped first)."""
+        self.cache = None
+        self.cache = make_cache(self.model.config, self.kv) if self.kv is not None else DynamicCache(config=self.model.config)
+        fill_cache(self.model, self.cache, ids, chunk_size, embeds, layers=layers, writer=self._writer)
 
     def _store_kind(self) -> str | None:
         """Which cache ``kv_store`` keeps for this session: ``full`` (no ``kv:``), ``tiered`` (a tiered cache

@@ -271,3 +271,44 @@ def test_the_cli_points_decode_stages_at_the_store_unless_told_otherwise(tmp_pat
     nocache = load_pipeline("text_qa", [])
     _use_kv_store(nocache, None, None)  # --no-cache
     assert "kv_store" not in nocache.stages["answer"].params
+
+
+@pytest.mark.slow
+def test_a_long_pass_out_of_memory_is_prefilled_again_in_smaller_passes_and_stored_as_such(smollm2, tmp_path,
+                                                                                        monkeypatch):
+    """``prefill_chunk: auto`` is 65,536 on CUDA: where one pass does not fit beside what the card holds, the
+    session says so and prefills in 8,192-token passes (the engine chooses before it starts; a Session finds out).
+    The stored entry is keyed by the passes that made it, so a later run with 8,192 loads it."""
+    from docfuse.runtime import session as session_module
+    from docfuse.runtime.loading import TIGHT_PREFILL_CHUNK
+    from docfuse.runtime.session import Session
+
+    model, tokenizer = smollm2
+    fill = session_module.fill_cache
+    passes = []
+
+    def short_of_memory(model, cache, ids, chunk_size, *args, **kwargs):
+        passes.append(chunk_size)
+        if chunk_size > TIGHT_PREFILL_CHUNK:
+            cache.update(torch.zeros(1, 3, 5, 64), torch.zeros(1, 3, 5, 64), 0)  # a failed pass leaves some state
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return fill(model, cache, ids, chunk_size, *args, **kwargs)
+
+    monkeypatch.setattr(session_module, "fill_cache", short_of_memory)
+    document = "The monthly fee is 4,250 euros. " * 30
+    session = Session(model, tokenizer, kv_store=KVStore(tmp_path))
+    prefix = session.fit_document(document, max_new_tokens=8)
+    with pytest.warns(UserWarning, match="passes of 8192 instead"):
+        session.prefill(prefix, chunk_size=65536)
+    assert passes == [65536, TIGHT_PREFILL_CHUNK] and session.cache.get_seq_length() == len(prefix.ids)
+    answer = session.ask("What is the monthly fee?", 8).text
+    again = Session(model, tokenizer, kv_store=KVStore(tmp_path))
+    again.prefill(prefix, chunk_size=TIGHT_PREFILL_CHUNK)
+    assert again.loaded_from_store and again.ask("What is the monthly fee?", 8).text == answer
+
+    def always_short(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(session_module, "fill_cache", always_short)
+    with pytest.raises(torch.OutOfMemoryError):  # passes of 8,192 or fewer have nothing smaller to try
+        Session(model, tokenizer).prefill(prefix, chunk_size=TIGHT_PREFILL_CHUNK)
