@@ -258,7 +258,9 @@ class Engine:
             cache = full
         if self._device_archive(tokens) if archive is None else archive:
             cache += full
-        chunk = min(tokens, self.prefill_chunk, LAYER_MAJOR_CHUNK if self._layer_major(tokens) else tokens)
+        chunk = min(tokens, self.prefill_chunk)
+        if self._layer_major(tokens):  # fill_cache gives a layer-major prefill at most this many a call
+            chunk = min(chunk, LAYER_MAJOR_CHUNK)
         inter = int(getattr(config, "intermediate_size", 4 * hidden))
         # SDPA's fused kernels never hold the chunk x document scores; the MLP's and projections' rows do count
         activations = chunk * (3 * inter + 6 * hidden) * 4 + int(config.vocab_size) * 4 * 2

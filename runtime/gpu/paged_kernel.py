@@ -234,5 +234,5 @@ def _launch(q: torch.Tensor, pool, layer: int, core_table: torch.Tensor, n_core:
         KGROUP=s.group, VGROUP=s.vgroup, KBITS=s.key_bits, VBITS=s.value_bits,
         DOT=tl.float32 if precise else _dot_dtype(), PRECISE=precise,
         num_warps=TUNED["num_warps"] or (8 if s.page >= 128 else 4),
-        num_stages=TUNED["num_stages"] if per == 1 and not precise and q.dtype != torch.float32 else SAFE_STAGES,
+        num_stages=TUNED["num_stages"] if per == 1 and q.dtype != torch.float32 else SAFE_STAGES,
     )

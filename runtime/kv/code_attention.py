@@ -171,26 +171,27 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any
                  ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, except that on the CPU a masked pass of several tokens reads grouped-query
-    K/V heads in place (``enable_gqa``) instead of copying each KV head for every query head it serves.
+    """transformers' SDPA attention, except where a plain call (no dropout, soft-capping or position bias) has a
+    faster way:
 
-    transformers copies them whenever a mask is given (a question read over a document, a prefill chunk), because
-    CUDA's fused kernels do not take a mask with grouped heads; PyTorch's CPU kernel does, and gives the same numbers
-    bit for bit (tests/test_code_attention.py), 1.3-1.7x faster for a question's 20-64 tokens over 7K."""
+    * inside :func:`unpadded_causal` (no mask was built): the bottom-right causal diagonal, applied by the kernel;
+    * one bf16 token on the CPU: :func:`one_token_attention`;
+    * a masked pass of several tokens on the CPU: grouped-query K/V heads read in place (``enable_gqa``) instead of
+      each KV head copied for every query head it serves. transformers copies them whenever a mask is given (a
+      question read over a document, a prefill chunk), because CUDA's fused kernels do not take a mask with grouped
+      heads; PyTorch's CPU kernel does, and gives the same numbers bit for bit (tests/test_code_attention.py),
+      1.3-1.7x faster for a question's 20-64 tokens over 7K."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (getattr(_unpadded, "on", False) and attention_mask is None and query.shape[2] > 1
-            and not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("position_bias") is None):
+    plain = not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    tokens, on_cpu = query.shape[2], query.device.type == "cpu"
+    if plain and attention_mask is None and tokens > 1 and getattr(_unpadded, "on", False):
         # inside unpadded_causal the mask builder made no mask: every cached token is visible, the new ones causal
         return causal_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
-    if (query.device.type == "cpu" and query.shape[2] == 1 and attention_mask is None
-            and query.dtype == torch.bfloat16 and not kwargs.get("dropout") and kwargs.get("softcap") is None
-            and kwargs.get("position_bias") is None):
+    if plain and attention_mask is None and tokens == 1 and on_cpu and query.dtype == torch.bfloat16:
         return one_token_attention(query, key, value, scaling), None
-    groups = getattr(module, "num_key_value_groups", 1)
-    if (query.device.type == "cpu" and groups > 1 and query.shape[2] > 1 and attention_mask is not None
-            and attention_mask.dtype == torch.bool and not kwargs.get("dropout") and kwargs.get("softcap") is None
-            and kwargs.get("position_bias") is None):
+    if (plain and attention_mask is not None and tokens > 1 and on_cpu and attention_mask.dtype == torch.bool
+            and getattr(module, "num_key_value_groups", 1) > 1):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
