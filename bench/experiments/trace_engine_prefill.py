@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))
 
 from bench.bench_gpu_pipeline import (KV, PREFILL_CHUNK, QUESTIONS, model_folder, run_pipeline,  # noqa: E402
-                                      write_documents)
+                                      warm_up, write_documents)
 from bench.common import copy_bandwidth  # noqa: E402
 
 COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
@@ -115,11 +115,7 @@ def main() -> None:
     model_dir = args.work / "llama8b-random"
     model, tokenizer = model_folder(model_dir, args.tokenizer, False)
     kv = {**KV, "questions": "each"}
-    warm = write_documents(args.work / "docs", 2, 2048, tokenizer, seed=0)
-    run_pipeline(model_dir, warm, QUESTIONS[:2], kv, 4, "on", 64)
-    longer = write_documents(args.work / "docs", 1, 8192 + 2048, tokenizer, seed=5)
-    run_pipeline(model_dir, longer, QUESTIONS[:1], kv, 4, "on", 64)
-    run_pipeline(model_dir, longer, QUESTIONS[:1], None, 4, "off", 1)
+    warm_up(model_dir, tokenizer, args.work, kv, 64)
     paths = write_documents(args.work / "docs", 1, 32768, tokenizer, seed=2)
     runs = []
     for rnd in range(args.rounds):
