@@ -46,7 +46,7 @@ from docfuse.runtime.kv import (KVConfig, QuestionRead, TieredCache, as_kv_confi
                                 read_questions, retier_after_read)
 from docfuse.runtime.kv.background import DeviceArchive
 from docfuse.runtime.kv.config import resolve_budget
-from docfuse.runtime.layer_prefill import MAX_CHUNK as LAYER_MAJOR_CHUNK
+from docfuse.runtime import layer_prefill
 from docfuse.runtime.loading import TIGHT_PREFILL_CHUNK, prefill_chunk_for
 
 log = logging.getLogger("docfuse.engine")
@@ -260,7 +260,7 @@ class Engine:
             cache += full
         chunk = min(tokens, self.prefill_chunk)
         if self._layer_major(tokens):  # fill_cache gives a layer-major prefill at most this many a call
-            chunk = min(chunk, LAYER_MAJOR_CHUNK)
+            chunk = min(chunk, layer_prefill.MAX_CHUNK)
         inter = int(getattr(config, "intermediate_size", 4 * hidden))
         # SDPA's fused kernels never hold the chunk x document scores; the MLP's and projections' rows do count
         activations = chunk * (3 * inter + 6 * hidden) * 4 + int(config.vocab_size) * 4 * 2
