@@ -126,9 +126,11 @@ def resolve_device(device: str | None) -> str:
 
 
 #: ``prefill_chunk: auto`` per device type: document tokens a prefill pass takes. A CPU keeps its working set in
-#: cache; a GPU prefills a document below 64K tokens in one pass, whose square causal attention is the fastest
-#: kernel there (35K tokens of an 8B model on an H100: TTFT 0.77x that of 8,192-token chunks, bench/RESULTS.md).
-AUTO_PREFILL_CHUNK = {"cpu": 512, "cuda": 65536}
+#: cache; a GPU prefills a document of up to 128K tokens in one pass, whose square causal attention is the fastest
+#: kernel there (an 8B model on an H100: 35K tokens, TTFT 0.77x that of 8,192-token chunks; 132K tokens, 12.1 s
+#: against 16.7 s in two passes of 65,536, peak 49 GB against 41; bench/RESULTS.md). Where one pass does not fit,
+#: ``Session`` prefills again in passes of ``TIGHT_PREFILL_CHUNK`` and the engine chooses those from the start.
+AUTO_PREFILL_CHUNK = {"cpu": 512, "cuda": 131072}
 #: ``auto`` on CUDA where one pass would take device memory a run needs more (the engine's pages for its streams)
 TIGHT_PREFILL_CHUNK = 8192
 

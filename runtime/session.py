@@ -254,7 +254,7 @@ class Session:
         except torch.OutOfMemoryError as exc:
             if chunk_size <= TIGHT_PREFILL_CHUNK or layers:
                 raise
-            # a long pass (prefill_chunk: auto is 65,536 on CUDA) did not fit beside what the device holds: the
+            # a long pass (prefill_chunk: auto is 131,072 on CUDA) did not fit beside what the device holds: the
             # same document in 8,192-token passes needs a fraction of the activations
             warnings.warn(f"prefilling {len(ids)} tokens in passes of {chunk_size} ran out of device memory "
                           f"({str(exc).splitlines()[0]}); prefilling in passes of {TIGHT_PREFILL_CHUNK} instead (set "

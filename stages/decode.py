@@ -28,8 +28,9 @@ class DecodeParams(StageParams):
     max_new_tokens: int = Field(128, gt=0, description="most answer tokens per question")
     prefill_chunk: int | Literal["auto"] = Field(
         "auto", description="document tokens per prefill forward pass; auto: 512 on the CPU (it keeps its working "
-                            "set in cache), 65536 on CUDA (a document below 64K in one pass, the fastest attention "
-                            "there; the engine chunks by 8192 where that pass would take its streams' memory)")
+                            "set in cache), 131072 on CUDA (a document of up to 128K in one pass, the fastest "
+                            "attention there; the engine chunks by 8192 where that pass would take its streams' memory, "
+                            "and a lone run retries in 8192 passes where it does not fit)")
     truncate: Literal["none", "head", "head_tail", "retrieve"] = Field(
         "none", description="a document longer than the context: none = error row, head = keep its beginning, "
                             "head_tail = keep beginning and end, retrieve = each question reads the pages that "

@@ -66,8 +66,8 @@ def test_prefill_chunk_auto_is_the_devices_default_and_a_number_is_kept():
     from tests.test_decode_step import tiny
 
     assert stage("q").params.prefill_chunk == "auto"
-    assert prefill_chunk_for("auto", "cpu") == 512 and prefill_chunk_for("auto", "cuda:0") == 65536
-    assert prefill_chunk_for("auto", torch.device("cuda", 1)) == 65536 and prefill_chunk_for("auto", "mps") == 512
+    assert prefill_chunk_for("auto", "cpu") == 512 and prefill_chunk_for("auto", "cuda:0") == 131072
+    assert prefill_chunk_for("auto", torch.device("cuda", 1)) == 131072 and prefill_chunk_for("auto", "mps") == 512
     assert prefill_chunk_for(64, "cuda") == 64 and stage("q", prefill_chunk=64).params.prefill_chunk == 64
     assert Engine(tiny(seed=3), {}, set()).prefill_chunk == 512  # the engine's own default follows the device too
     # auto reaches the engine as auto (it may chunk where one pass would take its streams' memory); a number is kept

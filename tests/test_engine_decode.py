@@ -289,10 +289,10 @@ def test_the_open_documents_archive_stays_on_the_card_when_it_fits_beside_the_st
 
 
 def test_an_automatic_prefill_chunk_is_one_pass_unless_the_streams_need_that_memory(monkeypatch) -> None:
-    """prefill_chunk auto on CUDA: a document prefilled token by token in one pass of up to 65,536 tokens (the
+    """prefill_chunk auto on CUDA: a document prefilled token by token in one pass of up to 131,072 tokens (the
     fastest attention there), unless that pass's activations would leave the pool short of what the run's streams
-    need: then 8,192. A given chunk is kept; a layer-major prefill reserves at most 8,192 tokens' activations. The
-    rule, on the CPU with the card's free memory stood in."""
+    need: then 8,192. A given chunk is kept; a layer-major prefill reserves at most MAX_CHUNK tokens' activations.
+    The rule, on the CPU with the card's free memory stood in."""
     from docfuse.runtime.layer_prefill import MAX_CHUNK
     from docfuse.runtime.loading import AUTO_PREFILL_CHUNK, TIGHT_PREFILL_CHUNK
 

@@ -31,11 +31,16 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("layer_chunk_128k.json"))
     parser.add_argument("--layer-chunks", type=int, nargs="+", default=[8192, 65536])
+    parser.add_argument("--prefill-chunk", default="auto", help="answer.prefill_chunk of every run (auto: 65,536 on "
+                        "CUDA; it also caps a layer-major call)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--work", type=Path, default=Path.home() / "docfuse-bench")
     args = parser.parse_args()
+    from bench.bench_gpu_pipeline import PREFILL_CHUNK
     from docfuse.runtime import layer_prefill
+
+    PREFILL_CHUNK[0] = args.prefill_chunk if args.prefill_chunk == "auto" else int(args.prefill_chunk)
 
     model_dir = args.work / "llama8b-random"
     _, tokenizer = model_folder(model_dir, args.tokenizer, False)
@@ -55,7 +60,8 @@ def main() -> None:
                    "decode_tok_s": out["per_stream_decode_tok_s_median"], "errors": out["errors"]}
             print(json.dumps(row), flush=True)
             runs.append(row)
-    args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "kv": KV, "runs": runs}, indent=2))
+    args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "kv": KV, "prefill_chunk": PREFILL_CHUNK[0],
+                                    "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":

@@ -155,8 +155,9 @@ class Engine:
         max_streams: most streams decoding at once (the largest bucket used).
         graphs: capture each bucket's step as a CUDA graph (default: on CUDA).
         prefill_chunk: tokens per forward of the document prefill (None or ``auto``: 512 on the CPU; on CUDA
-            65,536, one pass for a document the engine prefills token by token, unless that pass's activations would
-            take pages the run's streams need: then 8,192; a layer-major prefill takes at most 8,192 a call).
+            131,072, one pass for a document the engine prefills token by token, unless that pass's activations would
+            take pages the run's streams need: then 8,192; a layer-major prefill takes at most
+            ``layer_prefill.MAX_CHUNK`` (65,536) a call, and 8,192 under the same rule).
         layer_major_from: documents of at least this many tokens prefill layer by layer (``kv.prefill: layers``
             always does).
         memory_fraction: share of free device memory the pool may take when it is sized automatically.
