@@ -13,10 +13,12 @@ whole entry or none, and two writers of one entry leave one whole entry. A load 
 altered file deletes it, warns with its name, and reports a miss: the caller prefills again. The folder keeps at
 most ``max_bytes``, least recently used entries going first.
 
-The CPU ``Session`` stores full caches (``kv: null``, the default of ``docfuse ask`` and the QA pipelines) and tiered
+``Session`` stores full caches (``kv: null``, the default of ``docfuse ask`` and the QA pipelines) and tiered
 caches after a token-major prefill (``kv.prefill: tokens``, the CPU default: every token is still exact in the core
-then, and each question re-tiers from it). A layer-major prefill (tiered while it runs) and the GPU engine prefill as
-before. Entries are memory-mapped when loaded: a tiered cache's background archive adopts the stored blocks as views
+then, and each question re-tiers from it); the GPU engine stores and loads the same tiered state for the documents it
+prefills token by token. A layer-major prefill (tiered while it runs) is not stored. An entry larger than an eighth
+of ``max_bytes`` is not stored either (``MAX_ENTRY_SHARE``): it would push most of the store out, and packing it costs
+seconds a gigabyte on one core. Entries are memory-mapped when loaded: a tiered cache's background archive adopts the stored blocks as views
 of the file, so they are read from disk when a question reads them back and take no memory of the process's own. The
 run that stores an entry does the same right after storing it (:func:`adopt_archives`): its first question's re-tier
 then has nothing left to compress.
@@ -48,6 +50,10 @@ MAGIC = b"docfuse-kv-store 2\n"
 OLD_MAGICS = (b"docfuse-kv-store 1\n",)
 SUFFIX = ".dfkv"
 DEFAULT_MAX_BYTES = 20 * 10**9
+#: Largest entry, as a share of ``max_bytes``, that ``save`` writes: an 8B model's cache of a 128K-token document is
+#: ~16 GB raw, ~50 s to pack on one core (340 MB/s measured on the dev machine), and would evict the whole default
+#: store; raise ``kv_store_max_gb`` to keep documents that long.
+MAX_ENTRY_SHARE = 1 / 8
 _DIGEST = 16
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
@@ -86,6 +92,8 @@ class KVStore:
         self.folder = Path(folder)
         self.max_bytes = int(max_bytes)
         self.hits = self.misses = self.refused = 0
+        #: entries ``save`` left unwritten because they were larger than ``MAX_ENTRY_SHARE`` of ``max_bytes``
+        self.too_large = 0
 
     # ---- keys ------------------------------------------------------------------------------------------------
     def key(self, model: torch.nn.Module, ids: Sequence[int], *, embeds: torch.Tensor | None = None,
@@ -114,10 +122,19 @@ class KVStore:
 
     # ---- write -----------------------------------------------------------------------------------------------
     def save(self, key: str, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, source: str = "",
-             tokens: int | None = None) -> Path:
+             tokens: int | None = None) -> Path | None:
         """Store (keys, values) [B, H, T, D] pairs (a full cache's layers, or a tiered cache's archive blocks) under
         ``key``, atomically; ``tokens``: the document's length, shown by ``docfuse kv-store list`` (default: the
-        first pair's T, right for whole layers)."""
+        first pair's T, right for whole layers). None, with a warning the first time, when the raw K/V pass
+        ``MAX_ENTRY_SHARE`` of ``max_bytes``: nothing is written."""
+        raw = sum(t.numel() * t.element_size() for pair in layers for t in pair)
+        if raw > self.max_bytes * MAX_ENTRY_SHARE:
+            if not self.too_large:
+                warnings.warn(f"a document's KV cache ({raw / 1e9:.1f} GB) is larger than an eighth of the KV store's "
+                              f"size cap ({self.max_bytes / 1e9:.0f} GB) and is not stored; raise kv_store_max_gb "
+                              "(--set answer.kv_store_max_gb=N) to keep documents this long", stacklevel=2)
+            self.too_large += 1
+            return None
         blobs = [pack_exact(t) for k, v in layers for t in (k, v)]
         if tokens is None:
             tokens = int(layers[0][0].shape[2]) if layers else 0
@@ -273,9 +290,12 @@ def tiered_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     return out
 
 
-def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], device: torch.device) -> Any:
+def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], device: torch.device,
+                adopt: bool = True) -> Any:
     """An empty TieredCache given the state :func:`tiered_layers` took, as the packed blocks the store keeps:
-    every token in the core, in order, and the same blocks adopted by each layer's archive without repacking."""
+    every token in the core, in order, and the same blocks adopted by each layer's archive without repacking
+    (``adopt=False``: an archive that keeps exact K/V elsewhere, the engine's ``DeviceArchive``, fills itself from
+    the core at the first re-tier, as after a prefill)."""
     layers = cache.layers
     if not blocks or len(blocks) % len(layers):
         raise ValueError(f"{len(blocks)} stored blocks do not split over {len(layers)} layers")
@@ -286,7 +306,9 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
     for i, layer in enumerate(layers):
         keys, values = tensors[2 * i * per: 2 * (i + 1) * per: 2], tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
         layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
-    if not adopt_archives(cache, blocks):
+    if len({layer.length for layer in layers}) != 1:
+        raise ValueError("the stored layers hold different numbers of tokens")
+    if adopt and not adopt_archives(cache, blocks):
         raise ValueError("the stored blocks are not the archive's cut of the positions they hold")
     cache.peak_device = cache.device_bytes()
     return cache

@@ -273,8 +273,8 @@ class Session:
 
             layers = cache_layers(self.cache) if kind == "full" else tiered_layers(self.cache)
             try:
-                if layers is not None:
-                    self.kv_store.save(store_key, layers, source=source, tokens=len(ids))
+                if layers is not None and self.kv_store.save(store_key, layers, source=source,
+                                                             tokens=len(ids)) is not None:
                     if kind == "tiered":  # the entry becomes the archive now, as on a later run's load
                         blocks = self.kv_store.load(store_key, blobs=True)
                         if blocks is not None:

@@ -64,7 +64,8 @@ class DecodeParams(StageParams):
     kv_store: str | None = Field(None, description="a folder of prefilled documents' KV caches (runtime.kv_store): "
                                     "a document prefilled before is loaded instead of read again; false turns it off "
                                     "(docfuse run and ask use <cache-dir>/kv unless --no-cache). Full caches "
-                                    "(kv: null) on the CPU path only")
+                                    "(kv: null) and tiered caches prefilled token by token, one question at a time "
+                                    "and in the engine; a layer-major prefill is not stored")
     kv_store_max_gb: float = Field(20.0, gt=0, description="the KV store's size cap; least recently used go first")
     cite: bool = Field(True, description="fill cited_pages: the pages the answer's own attention drew on most "
                                          "(one extra forward of the answer's tokens; a full cache only, kv: null)")
@@ -190,7 +191,8 @@ class DecodeGenerate(Stage):
                 stopper = self.session.stopper
                 self.engine = Engine(model, p.kv, self.session.stop_ids, max_streams=p.max_streams,
                                      prefill_chunk=None if p.prefill_chunk == "auto" else self.prefill_chunk,
-                                     stop_when=stopper.should_stop if stopper is not None else None)
+                                     stop_when=stopper.should_stop if stopper is not None else None,
+                                     kv_store=store)
             else:
                 print(f"decode.generate: the batched engine does not serve {self.engine_note}; decoding one question "
                       "at a time", file=sys.stderr)
@@ -307,7 +309,7 @@ class DecodeGenerate(Stage):
                 failed[doc_id] = errors
             jobs.extend((doc_id, doc["source"], read) for read in reads)
         outputs = self.engine.run([Document(read.ids, [suffixes[i] for i in read.questions], p.max_new_tokens,
-                                            read.embeds) for _, _, read in jobs])
+                                            read.embeds, source=str(source)) for _, source, read in jobs])
         by_doc: dict[str, dict[int, dict]] = {}
         for (doc_id, source, read), outs in zip(jobs, outputs):
             for i, out in zip(read.questions, outs):

@@ -213,6 +213,24 @@ def test_the_engine_answers_every_document_and_question_as_the_session_does(pass
             assert r["kv_device_bytes"] < r["kv_full_bytes"] or r["prompt_tokens"] < 200
 
 
+@pytest.mark.slow
+def test_the_engine_loads_a_document_its_kv_store_holds_and_answers_the_same(passkey_pages, tmp_path):
+    """decode.generate's kv_store reaches the engine: the first run stores each document's prefill, a new stage
+    (a new run) loads it instead of prefilling, and every answer is the same."""
+    kv = {"core_tokens": 0.1, "association_tokens": 0.5}
+    table = pages_table([("sky", 0, "# Weather\n\nThe sky is blue today. It rained yesterday.")] + passkey_pages)
+    rows, stats = [], []
+    for _ in range(2):
+        decode = stage(questions=["What is the pass key?"], max_new_tokens=12, kv=kv, engine="on", dtype="float32",
+                       kv_store=str(tmp_path / "kv"))
+        decode.setup()
+        rows.append(decode.run(table).to_pylist())
+        stats.append(dict(decode.engine.stats))
+    assert stats[0].get("kv_store_saves") == 2 and "kv_store_hits" not in stats[0]
+    assert stats[1].get("kv_store_hits") == 2 and "kv_store_saves" not in stats[1]
+    assert [r["answer"] for r in rows[1]] == [r["answer"] for r in rows[0]] and "71432" in rows[1][1]["answer"]
+
+
 def test_the_engine_is_named_when_it_cannot_serve_the_settings():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -463,3 +463,35 @@ def cascade_vs_plain(device: str = "cpu") -> float:
         worst = max(worst, float((got - plain).norm() / plain.norm()))
     assert step.group_rows[:, :2].ne(-1).sum() == 8  # every row in one table row: 4 streams and 4 idle rows
     return worst
+
+
+@pytest.mark.parametrize("archive", ["host", "device"])
+def test_a_stored_document_is_loaded_instead_of_prefilled_and_answers_the_same(tmp_path, archive) -> None:
+    """Issue 24 on the engine: a token-major prefill is stored; a new engine (a new run) loads it and skips the
+    prefill; every answer equals a fresh prefill's; a damaged entry is refused, prefilled again and stored again."""
+    from docfuse.runtime.kv_store import KVStore
+
+    model = tiny(seed=3)
+    docs = documents()
+    fresh = [[o.tokens for o in d] for d in Engine(model, KV, set(), max_streams=4, archive=archive).run(docs)]
+    first = Engine(model, KV, set(), max_streams=4, archive=archive, kv_store=KVStore(tmp_path / "kv"))
+    assert [[o.tokens for o in d] for d in first.run(docs)] == fresh
+    assert first.stats["kv_store_saves"] == len(docs) and "kv_store_hits" not in first.stats
+    entries = sorted((tmp_path / "kv").glob("*.dfkv"))
+    assert len(entries) == len(docs)
+    second = Engine(model, KV, set(), max_streams=4, archive=archive, kv_store=KVStore(tmp_path / "kv"))
+    assert [[o.tokens for o in d] for d in second.run(docs)] == fresh
+    assert second.stats["kv_store_hits"] == len(docs) and "kv_store_saves" not in second.stats
+    data = bytearray(entries[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entries[0].write_bytes(bytes(data))
+    third = Engine(model, KV, set(), max_streams=4, archive=archive, kv_store=KVStore(tmp_path / "kv"))
+    with pytest.warns(UserWarning, match="damaged"):
+        got = [[o.tokens for o in d] for d in third.run(docs)]
+    assert got == fresh
+    assert third.stats["kv_store_hits"] == len(docs) - 1 and third.stats["kv_store_saves"] == 1
+    # a layer-major prefill tiers as it goes: nothing is stored or loaded
+    layers = Engine(model, {**KV, "prefill": "layers"}, set(), max_streams=4, archive=archive,
+                    kv_store=KVStore(tmp_path / "layers"))
+    layers.run(docs)
+    assert "kv_store_saves" not in layers.stats and not (tmp_path / "layers").exists()

@@ -236,6 +236,21 @@ def test_least_recently_used_entries_go_first(tmp_path):
     assert store.clear()[0] == 2 and store.entries() == []
 
 
+def test_an_entry_larger_than_an_eighth_of_the_cap_is_not_stored_and_says_so(tmp_path):
+    model = tiny()
+    layers = cache_layers(prefilled(model, IDS[:40]))
+    raw = sum(t.numel() * t.element_size() for pair in layers for t in pair)
+    store = KVStore(tmp_path, max_bytes=8 * raw - 1)
+    with pytest.warns(UserWarning, match="larger than an eighth.*kv_store_max_gb"):
+        assert store.save(store.key(model, IDS[:40], chunk_size=16), layers) is None
+    assert store.too_large == 1 and store.entries() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per store
+        assert store.save(store.key(model, IDS[:41], chunk_size=16), layers) is None
+    roomy = KVStore(tmp_path, max_bytes=8 * raw)
+    assert roomy.save(roomy.key(model, IDS[:40], chunk_size=16), layers) is not None and roomy.too_large == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", [None, {}], ids=["full", "tiered"])
 def test_session_loads_a_stored_document_and_answers_the_same(smollm2, tmp_path, kv):

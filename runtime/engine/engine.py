@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class Document:
     questions: Sequence[Sequence[int]]
     max_new_tokens: int = 128
     embeds: torch.Tensor | None = None
+    #: the document's name, kept with its KV store entry (``docfuse kv-store list``)
+    source: str = ""
 
 
 @dataclass
@@ -168,13 +171,17 @@ class Engine:
             margin) beside the pool every stream of the run needs, else the host.
         stop_when: called with a stream's answer tokens after each new one; True ends the stream
             (``runtime.stopping.Stopper.should_stop``: stop strings, repeats), as in ``Session``.
+        kv_store: a :class:`runtime.kv_store.KVStore`: a document the engine prefills token by token is loaded
+            from it when the same model, prefix, dtype and chunk prefilled it before (by the engine or by
+            ``Session``: the entry is the same exact state), and stored after its prefill otherwise. A layer-major
+            prefill tiers as it goes: that state is neither stored nor loaded.
     """
 
     def __init__(self, model: Any, kv: KVConfig | dict, stop_ids: set[int], *, pool_bytes: int | None = None,
                  max_streams: int = 64, graphs: bool | None = None, prefill_chunk: int | None = None,
                  layer_major_from: int = 65536, memory_fraction: float = 0.9,
                  archive: Literal["auto", "device", "host"] = "auto",
-                 stop_when: Callable[[list[int]], bool] | None = None) -> None:
+                 stop_when: Callable[[list[int]], bool] | None = None, kv_store: Any = None) -> None:
         why = engine_unsupported(model, kv)
         if why:
             raise ValueError(f"the engine does not serve {why}; decode through runtime.session.Session")
@@ -191,6 +198,7 @@ class Engine:
         self.limit = int(model.config.max_position_embeddings)
         self.archive = archive
         self.stop_when = stop_when
+        self.kv_store = kv_store
         self._writer: Any = None
         #: device bytes an open document's exact K/V may take beside the pool (set per run by ``_make_pool``)
         self._archive_room = 0
@@ -471,16 +479,23 @@ class Engine:
             from docfuse.runtime.kv.background import ArchiveWriter
 
             self._writer = ArchiveWriter()
-        cache = TieredCache(self.model.config, self.kv)
-        for layer in cache.layers:
-            layer.fixed_codes = False  # the page pool takes compact association tiers
-        if self._device_archive(len(doc.prefix)):
-            for layer in cache.layers:
-                layer.archive = DeviceArchive()
+        cache = self._fresh_cache(len(doc.prefix))
         t0 = metrics.now(self.device)
+        store_key = None
+        if self.kv_store is not None and not layers and self.kv.method == "tiered" and len(doc.prefix):
+            store_key = self.kv_store.key(self.model, list(doc.prefix), embeds=doc.embeds,
+                                          chunk_size=self.prefill_chunk, kind="tiered")
         try:
-            fill_cache(self.model, cache, list(doc.prefix), self.prefill_chunk, doc.embeds, layers=layers,
-                       writer=self._writer)
+            loaded = self._load(cache, store_key) if store_key is not None else None
+            if loaded is not None:
+                cache = loaded
+            else:
+                if store_key is not None:  # a miss, or an entry that did not fit: whatever it left is dropped
+                    cache = self._fresh_cache(len(doc.prefix))
+                fill_cache(self.model, cache, list(doc.prefix), self.prefill_chunk, doc.embeds, layers=layers,
+                           writer=self._writer)
+                if store_key is not None:
+                    self._store(cache, store_key, doc)
             prefill_s = metrics.now(self.device) - t0
             # kv.questions: together: every question read exactly in one pass that re-tiers for all of them
             reads = read_questions(self.model, cache, doc.questions) if self.together else None
@@ -494,6 +509,61 @@ class Engine:
         log.info("document %d: %d tokens prefilled in %.1f s%s", index, len(doc.prefix), prefill_s,
                  f", {len(reads)} questions read in {reads[0].read_s:.1f} s" if reads else "")
         return _Open(index, cache, cache.get_seq_length(), prefill_s, reads=reads)
+
+    def _fresh_cache(self, tokens: int) -> TieredCache:
+        """An empty tiered cache for a document of ``tokens``: compact association tiers for the page pool, the
+        exact K/V kept on the device when they fit there (``archive``)."""
+        cache = TieredCache(self.model.config, self.kv)
+        for layer in cache.layers:
+            layer.fixed_codes = False  # the page pool takes compact association tiers
+        if self._device_archive(tokens):
+            for layer in cache.layers:
+                layer.archive = DeviceArchive()
+        return cache
+
+    def _load(self, cache: TieredCache, key: str) -> TieredCache | None:
+        """The empty ``cache`` filled from the store's entry ``key``: every token exact in its core, as a token-major
+        prefill leaves it (a host archive adopts the entry's blocks as they are). None on a miss or an entry that
+        does not fit this cache (a warning names it; the document is prefilled instead)."""
+        from docfuse.runtime.kv_store import fill_tiered
+
+        blocks = self.kv_store.load(key, blobs=True)
+        if blocks is None:
+            return None
+        try:
+            fill_tiered(cache, blocks, self.device, adopt=not self._device_archived(cache))
+        except ValueError as exc:
+            warnings.warn(f"KV store entry {self.kv_store.path(key)} does not fit this cache ({exc}); the document "
+                          "is read again", stacklevel=3)
+            return None
+        self.stats["kv_store_hits"] = self.stats.get("kv_store_hits", 0) + 1
+        return cache
+
+    def _store(self, cache: TieredCache, key: str, doc: Document) -> None:
+        """Keep a token-major prefill's exact state in the store (a full or read-only disk only warns: the next run
+        prefills again). A host archive then takes the entry's blocks, as ``Session`` does."""
+        from docfuse.runtime.kv_store import adopt_archives, tiered_layers
+
+        blocks = tiered_layers(cache)
+        if blocks is None:
+            return
+        try:
+            if self.kv_store.save(key, blocks, source=doc.source, tokens=len(doc.prefix)) is None:
+                return  # larger than the store keeps
+            if not self._device_archived(cache):
+                stored = self.kv_store.load(key, blobs=True)
+                if stored is not None:
+                    adopt_archives(cache, stored)
+        except OSError as exc:
+            warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next run "
+                          "prefills it again", stacklevel=3)
+            return
+        self.stats["kv_store_saves"] = self.stats.get("kv_store_saves", 0) + 1
+
+    @staticmethod
+    def _device_archived(cache: TieredCache) -> bool:
+        """Whether the cache's exact K/V go to a :class:`DeviceArchive` (which takes no stored blocks)."""
+        return any(getattr(layer.archive, "on_device", False) for layer in cache.layers)
 
     def _start(self, opened: _Open, doc: Document, q: int, out: StreamOutput, started: float) -> _Stream | None:
         """Read question ``q`` of the open document, move its tiers into pages; ``None`` when it ends at once."""
