@@ -16,6 +16,9 @@ Workloads (each resumable: a finished one is kept in the JSON and skipped unless
 * ``static_anchor``: the external anchor, transformers' StaticCache with the model's forward captured in a CUDA
   graph, batch 1, at ``--anchor-tokens`` prompt lengths: TTFT and decode tokens/s.
 * ``long_128k``: ``--long-docs`` documents of 128K tokens, 2 questions each, through the engine.
+* ``store_16k``: the KV store in the engine (issue 24): one 16K document (its 8B entry, ~2.1 GB raw, is under the
+  store's default cap rule) answered without a store, then with a fresh store (prefill, then the entry written), then
+  a new question with that store (the entry loaded instead of prefilled): TTFT and wall of each.
 
 Per workload: wall time, documents per minute, aggregate decode tokens/s, TTFT (median, worst), peak device memory,
 and the engine's step time against the bandwidth floor (weights once a step plus every live stream's tiers).
@@ -226,7 +229,7 @@ PREFILL_CHUNK: list[int | str] = ["auto"]
 
 
 def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, new_tokens: int, engine: str,
-                 max_streams: int, truncate: str = "none") -> dict:
+                 max_streams: int, truncate: str = "none", kv_store: str | None = None) -> dict:
     from docfuse.pipelines import Pipeline
     from docfuse.runtime.engine import engine as engine_module
 
@@ -237,7 +240,7 @@ def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, n
                        # random weights repeat themselves: every answer decodes its full length (False: a None would
                        # drop the key and bring the default stop rules back)
                        "answer.stop": False,
-                       "answer.truncate": truncate,
+                       "answer.truncate": truncate, "answer.kv_store": kv_store,
                        "params.questions": questions}.items():
         pipeline.set(key, value)
     engine_module.LAST_STATS.clear()
@@ -408,6 +411,26 @@ def main(argv: list[str] | None = None) -> None:
                                          "engine": engine, "kv_null": null}
             result["batch1_128k" + suffix] = {k: result["workloads"][name][k] for k in (
                 "decode_tok_s", "bench_tiered_graph_tok_s", "ttft_s", "ttft_dynamic_s")}
+        elif workload == "store_16k":
+            import shutil
+
+            paths = write_documents(args.work / "docs", 1, 16384, tokenizer, seed=6)
+            store = args.work / "kv-store"
+            shutil.rmtree(store, ignore_errors=True)
+            plain = run_pipeline(model_dir, paths, QUESTIONS[:1], kv, args.new_tokens, "on", args.max_streams)
+            first = run_pipeline(model_dir, paths, QUESTIONS[:1], kv, args.new_tokens, "on", args.max_streams,
+                                 kv_store=str(store))
+            second = run_pipeline(model_dir, paths, QUESTIONS[1:2], kv, args.new_tokens, "on", args.max_streams,
+                                  kv_store=str(store))
+            disk = sum(p.stat().st_size for p in store.glob("*.dfkv"))
+            result["workloads"][name] = {
+                "ttft_no_store_s": plain["ttft_median_s"], "ttft_first_s": first["ttft_median_s"],
+                "ttft_second_s": second["ttft_median_s"], "wall_no_store_s": plain["wall_s"],
+                "wall_first_s": first["wall_s"], "wall_second_s": second["wall_s"],
+                "second_over_first_ttft": (second["ttft_median_s"] or 0) / (first["ttft_median_s"] or 1),
+                "saves": first.get("engine", {}).get("kv_store_saves"), "hits": second.get("engine", {}).get(
+                    "kv_store_hits"), "entry_bytes": disk, "kv_full_bytes": first["kv_full_bytes_median"],
+                "no_store": plain, "first": first, "second": second}
         elif workload == "static_anchor":
             # transformers' StaticCache with the model's forward in a CUDA graph, batch 1: the external anchor
             result["workloads"][name] = {str(n): static_graph_anchor(model, n, args.new_tokens)
@@ -424,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
                                          "engine": engine}
         else:
             raise SystemExit(f"unknown workload {name!r}; choose from review_32k, batch1_32k, batch1_128k, "
-                             "static_anchor, long_128k")
+                             "static_anchor, long_128k, store_16k")
         print(f"{name}: {json.dumps({k: v for k, v in result['workloads'][name].items() if k not in ('engine', 'kv_null')})}",
               flush=True)
         fractions = [r["fraction_of_floor"] for w in result["workloads"].values()
