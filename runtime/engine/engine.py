@@ -494,9 +494,9 @@ class Engine:
                     cache = self._fresh_cache(len(doc.prefix))
                 fill_cache(self.model, cache, list(doc.prefix), self.prefill_chunk, doc.embeds, layers=layers,
                            writer=self._writer)
-                if store_key is not None:
-                    self._store(cache, store_key, doc)
             prefill_s = metrics.now(self.device) - t0
+            if loaded is None and store_key is not None:  # after the clock, as in Session: not the answer's wait
+                self._store(cache, store_key, doc)
             # kv.questions: together: every question read exactly in one pass that re-tiers for all of them
             reads = read_questions(self.model, cache, doc.questions) if self.together else None
         except torch.OutOfMemoryError as exc:
