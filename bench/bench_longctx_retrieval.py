@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                     if m == d:
                         own.append(len(pages))
                     pages.append((len(pages), text))
+            index = PageIndex(pages, count)  # the pages' token costs, for the random floor's budget
             for question, reference in list(zip(record["instructions"], record["outputs"]))[: args.per_doc]:
                 answer = content_words(str(reference))
                 if not answer:
@@ -121,7 +122,6 @@ def main(argv: list[str] | None = None) -> None:
                                  "prompt_tokens": len(read.ids)}
                     prompts[(len(rows), mode)] = (list(read.ids), prompt)
                 # the floor: random pages up to the retrieve prompt's document budget, in page order
-                index = PageIndex(pages, count)
                 budget = sum(index.cost[p] for p in row["retrieve"]["pages_read"])
                 chosen, spent = [], 0
                 for p in rng.sample(range(len(pages)), len(pages)):

@@ -34,7 +34,7 @@ import struct
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,6 +183,41 @@ class KVStore:
         os.utime(path)  # last use, for the least-recently-used pruning
         self.hits += 1
         return layers
+
+    # ---- a prefill's state in and out ------------------------------------------------------------------------
+    def restore(self, key: str, fill: Callable[[list[tuple[Any, Any]]], Any], blobs: bool = False) -> Any:
+        """The cache ``fill`` makes of entry ``key`` (``fill_dynamic``, ``fill_tiered``), or None on a miss or an
+        entry that does not fit it (checksummed but another shape: a warning names it, the caller prefills)."""
+        layers = self.load(key, blobs=blobs)
+        if layers is None:
+            return None
+        try:
+            return fill(layers)
+        except ValueError as exc:
+            warnings.warn(f"KV store entry {self.path(key)} does not fit this cache ({exc}); the document is read "
+                          "again", stacklevel=3)
+            return None
+
+    def keep(self, key: str, layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None, *, source: str, tokens: int,
+             adopt_into: Any = None) -> bool:
+        """Store a prefill's state (``save``) after its clock; ``adopt_into``: the tiered cache that made it, whose
+        host archive then takes the entry's blocks (:func:`adopt_archives`). False when nothing was written: no
+        state to keep, an entry over the size rule, or a full or read-only disk (a warning: the next run prefills
+        again, nothing more)."""
+        if layers is None:
+            return False
+        try:
+            if self.save(key, layers, source=source, tokens=tokens) is None:
+                return False
+            if adopt_into is not None:
+                blocks = self.load(key, blobs=True)
+                if blocks is not None:
+                    adopt_archives(adopt_into, blocks)
+        except OSError as exc:
+            warnings.warn(f"could not store the document's KV cache in {self.folder} ({exc}); the next run prefills "
+                          "it again", stacklevel=3)
+            return False
+        return True
 
     # ---- housekeeping ----------------------------------------------------------------------------------------
     def entries(self) -> list[Entry]:

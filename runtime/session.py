@@ -233,17 +233,17 @@ class Session:
             from docfuse.runtime.kv_store import fill_dynamic, fill_tiered
 
             store_key = self.kv_store.key(self.model, ids, embeds=embeds, chunk_size=chunk_size, kind=kind)
-            layers = self.kv_store.load(store_key, blobs=kind == "tiered")
-            if layers is not None:  # the same prefill ran before: its exact state, bit for bit
-                try:
-                    self.cache = (fill_dynamic(self.model.config, layers, self.device) if kind == "full" else
-                                  fill_tiered(make_cache(self.model.config, self.kv), layers, self.device))
-                except ValueError as exc:  # checksummed but not the shape this cache takes: prefill instead
-                    warnings.warn(f"KV store entry {self.kv_store.path(store_key)} does not fit this cache ({exc}); "
-                                  "the document is read again", stacklevel=2)
-                else:
-                    self.loaded_from_store = True
-                    return self._prefilled(ids, started)
+
+            def fill(layers: list) -> Any:
+                if kind == "full":
+                    return fill_dynamic(self.model.config, layers, self.device)
+                return fill_tiered(make_cache(self.model.config, self.kv), layers, self.device)
+
+            loaded = self.kv_store.restore(store_key, fill, blobs=kind == "tiered")
+            if loaded is not None:  # the same prefill ran before: its exact state, bit for bit
+                self.cache = loaded
+                self.loaded_from_store = True
+                return self._prefilled(ids, started)
         layers = self.kv is not None and self.kv.prefill == "layers"
         if layers and ids and self.device.type == "cuda" and self._writer is None:
             from docfuse.runtime.kv.background import ArchiveWriter
@@ -269,19 +269,11 @@ class Session:
         self.document_prefills += 1
         seconds = self._prefilled(ids, started)
         if store_key is not None:  # after the clock: storing is not the first answer's wait
-            from docfuse.runtime.kv_store import adopt_archives, cache_layers, tiered_layers
+            from docfuse.runtime.kv_store import cache_layers, tiered_layers
 
-            layers = cache_layers(self.cache) if kind == "full" else tiered_layers(self.cache)
-            try:
-                if layers is not None and self.kv_store.save(store_key, layers, source=source,
-                                                             tokens=len(ids)) is not None:
-                    if kind == "tiered":  # the entry becomes the archive now, as on a later run's load
-                        blocks = self.kv_store.load(store_key, blobs=True)
-                        if blocks is not None:
-                            adopt_archives(self.cache, blocks)
-            except OSError as exc:  # a full or read-only disk costs the next run a prefill, nothing more
-                warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next "
-                              "run prefills it again", stacklevel=2)
+            # a tiered entry becomes the archive now, as on a later run's load
+            self.kv_store.keep(store_key, cache_layers(self.cache) if kind == "full" else tiered_layers(self.cache),
+                               source=source, tokens=len(ids), adopt_into=self.cache if kind == "tiered" else None)
         return seconds
 
     def _fill(self, ids: list[int], chunk_size: int, embeds: torch.Tensor | None, layers: bool) -> None:

@@ -236,6 +236,31 @@ def test_least_recently_used_entries_go_first(tmp_path):
     assert store.clear()[0] == 2 and store.entries() == []
 
 
+def test_keep_and_restore_warn_and_fall_back_to_a_prefill(tmp_path):
+    """The store's two sides for a prefill: an unwritable folder only warns (the next run prefills again); an entry
+    its cache cannot take is refused with a warning naming it (this run prefills)."""
+    model = tiny()
+    layers = cache_layers(prefilled(model, IDS[:40]))
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    store = KVStore(blocked / "kv")
+    with pytest.warns(UserWarning, match="could not store"):
+        assert store.keep("k", layers, source="doc", tokens=40) is False
+    assert KVStore(tmp_path).keep("k", None, source="doc", tokens=40) is False
+    good = KVStore(tmp_path / "kv")
+    key = good.key(model, IDS[:40], chunk_size=16)
+    assert good.keep(key, layers, source="doc", tokens=40)
+
+    def refuse(_layers):
+        raise ValueError("another shape")
+
+    with pytest.warns(UserWarning, match=f"{key}.*does not fit this cache"):
+        assert good.restore(key, refuse) is None
+    restored = good.restore(key, lambda stored: fill_dynamic(model.config, stored, torch.device("cpu")))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(cache_layers(restored), layers))
+    assert good.restore("missing", refuse) is None
+
+
 def test_an_entry_larger_than_an_eighth_of_the_cap_is_not_stored_and_says_so(tmp_path):
     model = tiny()
     layers = cache_layers(prefilled(model, IDS[:40]))

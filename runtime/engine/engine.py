@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -474,29 +473,38 @@ class Engine:
         """Prefill a document into a fresh tiered cache; on failure every question of it gets the error."""
         from docfuse.runtime.session import fill_cache
 
-        layers = self._layer_major(len(doc.prefix))
+        tokens = len(doc.prefix)
+        layers = self._layer_major(tokens)
         if layers and self.device.type == "cuda" and self._writer is None:
             from docfuse.runtime.kv.background import ArchiveWriter
 
             self._writer = ArchiveWriter()
-        cache = self._fresh_cache(len(doc.prefix))
+        # a host archive adopts a stored entry's blocks; a DeviceArchive fills itself at the first re-tier
+        host_archive = not self._device_archive(tokens)
         t0 = metrics.now(self.device)
-        store_key = None
-        if self.kv_store is not None and not layers and self.kv.method == "tiered" and len(doc.prefix):
+        store_key = cache = None
+        if self.kv_store is not None and not layers and self.kv.method == "tiered" and tokens:
+            from docfuse.runtime.kv_store import fill_tiered, tiered_layers
+
             store_key = self.kv_store.key(self.model, list(doc.prefix), embeds=doc.embeds,
                                           chunk_size=self.prefill_chunk, kind="tiered")
         try:
-            loaded = self._load(cache, store_key) if store_key is not None else None
-            if loaded is not None:
-                cache = loaded
+            if store_key is not None:  # every token exact in the core, as a token-major prefill leaves it
+                cache = self.kv_store.restore(store_key, lambda blocks: fill_tiered(
+                    self._fresh_cache(tokens), blocks, self.device, adopt=host_archive), blobs=True)
+            loaded = cache is not None
+            if loaded:
+                self.stats["kv_store_hits"] = self.stats.get("kv_store_hits", 0) + 1
             else:
-                if store_key is not None:  # a miss, or an entry that did not fit: whatever it left is dropped
-                    cache = self._fresh_cache(len(doc.prefix))
+                cache = self._fresh_cache(tokens)
                 fill_cache(self.model, cache, list(doc.prefix), self.prefill_chunk, doc.embeds, layers=layers,
                            writer=self._writer)
             prefill_s = metrics.now(self.device) - t0
-            if loaded is None and store_key is not None:  # after the clock, as in Session: not the answer's wait
-                self._store(cache, store_key, doc)
+            # after the clock, as in Session: storing is not the first answer's wait
+            if not loaded and store_key is not None and self.kv_store.keep(
+                    store_key, tiered_layers(cache), source=doc.source, tokens=tokens,
+                    adopt_into=cache if host_archive else None):
+                self.stats["kv_store_saves"] = self.stats.get("kv_store_saves", 0) + 1
             # kv.questions: together: every question read exactly in one pass that re-tiers for all of them
             reads = read_questions(self.model, cache, doc.questions) if self.together else None
         except torch.OutOfMemoryError as exc:
@@ -520,50 +528,6 @@ class Engine:
             for layer in cache.layers:
                 layer.archive = DeviceArchive()
         return cache
-
-    def _load(self, cache: TieredCache, key: str) -> TieredCache | None:
-        """The empty ``cache`` filled from the store's entry ``key``: every token exact in its core, as a token-major
-        prefill leaves it (a host archive adopts the entry's blocks as they are). None on a miss or an entry that
-        does not fit this cache (a warning names it; the document is prefilled instead)."""
-        from docfuse.runtime.kv_store import fill_tiered
-
-        blocks = self.kv_store.load(key, blobs=True)
-        if blocks is None:
-            return None
-        try:
-            fill_tiered(cache, blocks, self.device, adopt=not self._device_archived(cache))
-        except ValueError as exc:
-            warnings.warn(f"KV store entry {self.kv_store.path(key)} does not fit this cache ({exc}); the document "
-                          "is read again", stacklevel=3)
-            return None
-        self.stats["kv_store_hits"] = self.stats.get("kv_store_hits", 0) + 1
-        return cache
-
-    def _store(self, cache: TieredCache, key: str, doc: Document) -> None:
-        """Keep a token-major prefill's exact state in the store (a full or read-only disk only warns: the next run
-        prefills again). A host archive then takes the entry's blocks, as ``Session`` does."""
-        from docfuse.runtime.kv_store import adopt_archives, tiered_layers
-
-        blocks = tiered_layers(cache)
-        if blocks is None:
-            return
-        try:
-            if self.kv_store.save(key, blocks, source=doc.source, tokens=len(doc.prefix)) is None:
-                return  # larger than the store keeps
-            if not self._device_archived(cache):
-                stored = self.kv_store.load(key, blobs=True)
-                if stored is not None:
-                    adopt_archives(cache, stored)
-        except OSError as exc:
-            warnings.warn(f"could not store the document's KV cache in {self.kv_store.folder} ({exc}); the next run "
-                          "prefills it again", stacklevel=3)
-            return
-        self.stats["kv_store_saves"] = self.stats.get("kv_store_saves", 0) + 1
-
-    @staticmethod
-    def _device_archived(cache: TieredCache) -> bool:
-        """Whether the cache's exact K/V go to a :class:`DeviceArchive` (which takes no stored blocks)."""
-        return any(getattr(layer.archive, "on_device", False) for layer in cache.layers)
 
     def _start(self, opened: _Open, doc: Document, q: int, out: StreamOutput, started: float) -> _Stream | None:
         """Read question ``q`` of the open document, move its tiers into pages; ``None`` when it ends at once."""
