@@ -327,6 +327,50 @@ def test_an_automatic_prefill_chunk_is_one_pass_unless_the_streams_need_that_mem
     assert layers.prefill_reserve(40000, archive=False) == small.prefill_reserve(40000, archive=False)
 
 
+def test_a_long_document_prefills_token_major_when_the_card_has_room_beside_the_streams(monkeypatch) -> None:
+    """layer_major_from None on CUDA: a long document prefills token by token in one pass (the fastest) when its full
+    cache and that pass fit beside every stream of the run, else layer by layer from LAYER_MAJOR_FROM tokens (and a
+    shorter one keeps one pass while it fits). A given layer_major_from is kept. On the CPU with free memory stood in."""
+    from docfuse.runtime.engine.engine import LAYER_MAJOR_FROM
+    from docfuse.runtime.loading import AUTO_PREFILL_CHUNK
+
+    model = tiny()
+    long = 100_000
+    streams = 1 << 30
+
+    def card(engine: Engine, free: int) -> Engine:
+        engine.device = torch.device("cuda")
+        engine.prefill_chunk = engine._chunk_setting = AUTO_PREFILL_CHUNK["cuda"]
+        monkeypatch.setattr(engine, "_cuda_pool_bytes",
+                            lambda longest, wanted: free - engine.prefill_reserve(longest, archive=False))
+        return engine
+
+    probe = card(Engine(model, KV, set()), 0)
+    probe._layer_from = long + 1
+    token_major = probe.prefill_reserve(long, archive=False)
+    probe._layer_from = LAYER_MAJOR_FROM
+    layer_major = probe.prefill_reserve(long, archive=False)
+    assert layer_major < token_major  # one layer's full K/V and a 64K call's activations, not the whole cache
+
+    roomy = card(Engine(model, KV, set()), streams + token_major)
+    assert roomy._auto_pool_bytes(long, streams) >= streams
+    assert not roomy._layer_major(long) and roomy.prefill_chunk == AUTO_PREFILL_CHUNK["cuda"]
+    tight = card(Engine(model, KV, set()), streams + token_major - 1)
+    assert tight._auto_pool_bytes(long, streams) >= streams
+    assert tight._layer_major(long) and not tight._layer_major(LAYER_MAJOR_FROM - 1)
+    assert tight.prefill_chunk == AUTO_PREFILL_CHUNK["cuda"]
+    given = card(Engine(model, KV, set(), layer_major_from=LAYER_MAJOR_FROM), streams + token_major)
+    given._auto_pool_bytes(long, streams)
+    assert given._layer_major(long)
+    cpu = Engine(model, KV, set())
+    cpu._auto_pool_bytes(long, streams)
+    assert cpu._layer_major(long) and not cpu._layer_major(LAYER_MAJOR_FROM - 1)
+    # a token-major document's device archive fills as its core empties: it adds to the reserve only past the
+    # prefill's activations
+    probe._layer_from = long + 1
+    assert probe.prefill_reserve(long, archive=True) - token_major < probe._full_bytes(long) // 4
+
+
 
 @torch.inference_mode()
 def together_alone(model, kv: dict, prefix: list[int], questions: list[list[int]], max_new: int,

@@ -4,8 +4,11 @@
 questions and keeps every stream it can fit decoding together:
 
 1. **Prefill** one document at a time (the document that is *open*), into a batch-1 :class:`TieredCache`:
-   token-major below ``layer_major_from`` tokens (faster on short documents), layer-major above it (peak memory never
-   holds the full cache of every layer).
+   token-major (the fastest: one pass of the whole document where the card has room, then tiered once), or
+   layer-major from ``layer_major_from`` tokens (peak memory never holds the full cache of every layer). On CUDA the
+   run chooses: token-major for every document when the longest one's full cache and one pass's activations fit
+   beside the pages every stream of the run needs (a lone 128K document on an 80 GB card), else layer-major from
+   64K tokens.
 2. **Start a question**: read it exactly and re-tier the document for it (``read_question``, as ``Session`` does),
    copy the tiers into pages of the pool (:mod:`runtime.engine.pool`), roll the cache back to the document. The
    question is now a live stream; its first answer token came out of the read. The next question of the open
@@ -55,6 +58,9 @@ LAST_STATS: dict[str, Any] = {}
 #: Batch sizes a step is built (and on CUDA captured) for; the live streams run in the smallest that holds them.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GB = 1 << 30
+#: Documents of at least this many tokens prefill layer by layer when the card has no room for their full cache
+#: beside the run's streams (or on the CPU).
+LAYER_MAJOR_FROM = 65536
 #: Share of the device memory left beside the run's streams that an open document's exact archive may take.
 ARCHIVE_ROOM_SHARE = 0.8
 #: Most streams one program of the cascade kernel serves (their query heads are the rows of one tile); a document
@@ -161,7 +167,9 @@ class Engine:
             take pages the run's streams need: then 8,192; a layer-major prefill takes at most
             ``layer_prefill.MAX_CHUNK`` (65,536) a call, and 8,192 under the same rule).
         layer_major_from: documents of at least this many tokens prefill layer by layer (``kv.prefill: layers``
-            always does).
+            always does). ``None``: chosen per run from free device memory on CUDA (token-major for every document
+            when the longest fits in one pass beside the run's streams, else from ``LAYER_MAJOR_FROM``), and
+            ``LAYER_MAJOR_FROM`` elsewhere.
         memory_fraction: share of free device memory the pool may take when it is sized automatically.
         archive: where the open document's exact K/V wait while its questions start: ``device``
             (:class:`~runtime.kv.background.DeviceArchive`: each question's exact read and re-tier are slices),
@@ -178,7 +186,7 @@ class Engine:
 
     def __init__(self, model: Any, kv: KVConfig | dict, stop_ids: set[int], *, pool_bytes: int | None = None,
                  max_streams: int = 64, graphs: bool | None = None, prefill_chunk: int | None = None,
-                 layer_major_from: int = 65536, memory_fraction: float = 0.9,
+                 layer_major_from: int | None = None, memory_fraction: float = 0.9,
                  archive: Literal["auto", "device", "host"] = "auto",
                  stop_when: Callable[[list[int]], bool] | None = None, kv_store: Any = None) -> None:
         why = engine_unsupported(model, kv)
@@ -191,6 +199,8 @@ class Engine:
         self.buckets = tuple(b for b in BUCKETS if b < max_streams) + (max_streams,)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.layer_major_from = layer_major_from
+        #: the documents of this run from this many tokens prefill layer by layer (``_make_pool`` sets it per run)
+        self._layer_from = LAYER_MAJOR_FROM if layer_major_from is None else layer_major_from
         self._auto_chunk = prefill_chunk in (None, "auto")
         #: tokens per prefill forward of this run (``_make_pool`` may lower an automatic one)
         self.prefill_chunk = self._chunk_setting = prefill_chunk_for(prefill_chunk, self.device)
@@ -252,27 +262,31 @@ class Engine:
 
     def prefill_reserve(self, tokens: int, archive: bool | None = None) -> int:
         """Device bytes a document of ``tokens`` needs outside the pool while it is open: its cache (the full one
-        for a token-major prefill, the tiers and one layer's full K/V for a layer-major one) and the activations of
-        one chunk."""
+        for a token-major prefill, the tiers and one layer's full K/V for a layer-major one), the activations of
+        one chunk, and an exact archive on the device if it gets one."""
         s, config = self.shape, self.model.config
         item = torch.empty((), dtype=s.dtype).element_size()
         full = self._full_bytes(tokens)
         core, assoc = self.stream_tokens(tokens, 0)
         tiers = (pages_for(core, s.page) * s.core_page_bytes + pages_for(assoc, s.page) * s.assoc_page_bytes)
         hidden = int(config.hidden_size)
-        if self._layer_major(tokens):
-            cache = tiers + 2 * full // s.layers + tokens * hidden * item * 2
-        else:
-            cache = full
-        if self._device_archive(tokens) if archive is None else archive:
-            cache += full
+        layers = self._layer_major(tokens)
         chunk = min(tokens, self.prefill_chunk)
-        if self._layer_major(tokens):  # fill_cache gives a layer-major prefill at most this many a call
+        if layers:  # fill_cache gives a layer-major prefill at most this many a call
             chunk = min(chunk, layer_prefill.MAX_CHUNK)
         inter = int(getattr(config, "intermediate_size", 4 * hidden))
         # SDPA's fused kernels never hold the chunk x document scores; the MLP's and projections' rows do count
-        activations = chunk * (3 * inter + 6 * hidden) * 4 + int(config.vocab_size) * 4 * 2
-        return int(1.2 * (cache + activations)) + (256 << 20)
+        # (in the model's dtype: 8B at 131,072 tokens measured ~120 KB a token, this gives 135)
+        activations = chunk * (3 * inter + 6 * hidden) * item + int(config.vocab_size) * 4 * 2
+        archived = self._device_archive(tokens) if archive is None else archive
+        if layers:
+            cache = tiers + 2 * full // s.layers + tokens * hidden * item * 2 + (full if archived else 0)
+            return int(1.2 * (cache + activations)) + (256 << 20)
+        if archived:
+            # the archive takes each layer's exact K/V as the first re-tier replaces that layer's full core by its
+            # tiers, after the prefill's activations are gone: at most the tiers and two layers' K/V beyond it
+            activations = max(activations, tiers + 2 * full // s.layers)
+        return int(1.2 * (full + activations)) + (256 << 20)
 
     def _full_bytes(self, tokens: int) -> int:
         s = self.shape
@@ -287,7 +301,7 @@ class Engine:
         return full <= torch.cuda.get_device_properties(self.device).total_memory // 8 or full <= self._archive_room
 
     def _layer_major(self, tokens: int) -> bool:
-        return self.kv.prefill == "layers" or tokens >= self.layer_major_from
+        return self.kv.prefill == "layers" or tokens >= self._layer_from
 
     def _make_pool(self, docs: Sequence[Document]) -> PagePool:
         s = self.shape
@@ -305,6 +319,7 @@ class Engine:
             per_stream.append(nbytes_doc)
             streams += n
         self._archive_room = 0  # no room beyond the static rule unless this run's free memory says so
+        self._layer_from = LAYER_MAJOR_FROM if self.layer_major_from is None else self.layer_major_from
         nbytes = self.pool_bytes
         self.prefill_chunk = self._chunk_setting
         if nbytes is None:
@@ -317,11 +332,23 @@ class Engine:
 
     def _auto_pool_bytes(self, longest: int, streams_bytes: int) -> int:
         """Device bytes for the pool when none were given: on CUDA its share of free memory after the prefill of the
-        ``longest`` document; an automatic prefill chunk drops from one pass to 8,192 tokens when one pass would
-        leave the pool short of ``streams_bytes`` (what the largest bucket's streams hold)."""
+        ``longest`` document. Where that leaves the pool short of ``streams_bytes`` (what the largest bucket's
+        streams hold), the prefill gives way in this order: every document token-major in one pass (with an
+        automatic ``layer_major_from``); layer-major from ``LAYER_MAJOR_FROM`` tokens; an automatic chunk of 8,192
+        tokens instead of one pass."""
         if self.device.type != "cuda":
             return GB
-        nbytes = self._cuda_pool_bytes(longest, streams_bytes)
+        if self.layer_major_from is None:
+            self._layer_from = longest + 1  # token-major for every document of the run, if the card has room
+            nbytes = self._cuda_pool_bytes(longest, streams_bytes)
+            if nbytes >= streams_bytes or longest < LAYER_MAJOR_FROM:
+                return self._tight_chunk(longest, streams_bytes, nbytes)
+            self._layer_from = LAYER_MAJOR_FROM
+        return self._tight_chunk(longest, streams_bytes, self._cuda_pool_bytes(longest, streams_bytes))
+
+    def _tight_chunk(self, longest: int, streams_bytes: int, nbytes: int) -> int:
+        """An automatic prefill chunk drops from one pass to 8,192 tokens when one pass would leave the pool short
+        of ``streams_bytes``; the pool's bytes then."""
         if self._auto_chunk and nbytes < streams_bytes and self.prefill_chunk > TIGHT_PREFILL_CHUNK:
             # one pass's activations would take pages the run's streams need: prefill in chunks instead
             self.prefill_chunk = TIGHT_PREFILL_CHUNK
@@ -357,7 +384,7 @@ class Engine:
         self.steps = {}
         self.stats = {"steps": 0, "max_live": 0, "max_live_documents": 0, "step_s": 0.0, "capture_s": 0.0,
                       "deferred_retier_s": 0.0, "buckets": {}, "pool_bytes": pool.nbytes(),
-                      "prefill_chunk": self.prefill_chunk,
+                      "prefill_chunk": self.prefill_chunk, "layer_major_from": self._layer_from,
                       "core_pages": pool.core_total, "assoc_pages": pool.assoc_total}
         # kv.questions: together: a document's streams read its shared pages in one program (the cascade kernel)
         members = min(MAX_MEMBERS, max((len(d.questions) for d in docs), default=1)) if self.together else 1
