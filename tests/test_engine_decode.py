@@ -345,21 +345,26 @@ def test_a_long_document_prefills_token_major_when_the_card_has_room_beside_the_
                             lambda longest, wanted: free - engine.prefill_reserve(longest, archive=False))
         return engine
 
-    probe = card(Engine(model, KV, set()), 0)
+    probe = card(Engine(model, KV, set(), archive="device"), 0)
     probe._layer_from = long + 1
     token_major = probe.prefill_reserve(long, archive=False)
     probe._layer_from = LAYER_MAJOR_FROM
     layer_major = probe.prefill_reserve(long, archive=False)
     assert layer_major < token_major  # one layer's full K/V and a 64K call's activations, not the whole cache
 
-    roomy = card(Engine(model, KV, set()), streams + token_major)
+    roomy = card(Engine(model, KV, set(), archive="device"), streams + token_major)
     assert roomy._auto_pool_bytes(long, streams) >= streams
     assert not roomy._layer_major(long) and roomy.prefill_chunk == AUTO_PREFILL_CHUNK["cuda"]
-    tight = card(Engine(model, KV, set()), streams + token_major - 1)
+    # the same room, but the exact K/V would go to the host archive (packed at the re-tier): layer by layer
+    host = card(Engine(model, KV, set(), archive="host"), streams + token_major)
+    host._auto_pool_bytes(long, streams)
+    assert host._layer_major(long)
+    tight = card(Engine(model, KV, set(), archive="device"), streams + token_major - 1)
     assert tight._auto_pool_bytes(long, streams) >= streams
     assert tight._layer_major(long) and not tight._layer_major(LAYER_MAJOR_FROM - 1)
     assert tight.prefill_chunk == AUTO_PREFILL_CHUNK["cuda"]
-    given = card(Engine(model, KV, set(), layer_major_from=LAYER_MAJOR_FROM), streams + token_major)
+    given = card(Engine(model, KV, set(), archive="device", layer_major_from=LAYER_MAJOR_FROM),
+                 streams + token_major)
     given._auto_pool_bytes(long, streams)
     assert given._layer_major(long)
     cpu = Engine(model, KV, set())

@@ -334,14 +334,16 @@ class Engine:
         """Device bytes for the pool when none were given: on CUDA its share of free memory after the prefill of the
         ``longest`` document. Where that leaves the pool short of ``streams_bytes`` (what the largest bucket's
         streams hold), the prefill gives way in this order: every document token-major in one pass (with an
-        automatic ``layer_major_from``); layer-major from ``LAYER_MAJOR_FROM`` tokens; an automatic chunk of 8,192
-        tokens instead of one pass."""
+        automatic ``layer_major_from``, and only while a long document's exact K/V can stay on the card);
+        layer-major from ``LAYER_MAJOR_FROM`` tokens; an automatic chunk of 8,192 tokens instead of one pass."""
         if self.device.type != "cuda":
             return GB
         if self.layer_major_from is None:
             self._layer_from = longest + 1  # token-major for every document of the run, if the card has room
             nbytes = self._cuda_pool_bytes(longest, streams_bytes)
-            if nbytes >= streams_bytes or longest < LAYER_MAJOR_FROM:
+            # a long document's exact K/V must also stay on the card: packing 17 GB into the host archive at its
+            # re-tier would cost far more than a layer-major prefill saves
+            if longest < LAYER_MAJOR_FROM or (nbytes >= streams_bytes and self._device_archive(longest)):
                 return self._tight_chunk(longest, streams_bytes, nbytes)
             self._layer_from = LAYER_MAJOR_FROM
         return self._tight_chunk(longest, streams_bytes, self._cuda_pool_bytes(longest, streams_bytes))
