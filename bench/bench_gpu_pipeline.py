@@ -241,6 +241,7 @@ def run_pipeline(model_dir: Path, paths: list[Path], questions: list[str], kv, n
                        # drop the key and bring the default stop rules back)
                        "answer.stop": False,
                        "answer.truncate": truncate, "answer.kv_store": kv_store,
+                       "answer.kv_store_gpu": kv_store is not None,
                        "params.questions": questions}.items():
         pipeline.set(key, value)
     engine_module.LAST_STATS.clear()

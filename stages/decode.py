@@ -21,6 +21,16 @@ from docfuse.stages import schemas
 PAGE_COLUMNS = ("doc_id", "source", "page", "text")
 
 
+def kv_store_for(params: Any, device: Any) -> Any:
+    """The KV store ``params`` ask for on ``device``, or None: off with ``kv_store: false``, and on a GPU unless
+    ``kv_store_gpu`` (there a fresh prefill beats a load; bench/RESULTS.md, issue 24)."""
+    if not params.kv_store or (device.type == "cuda" and not params.kv_store_gpu):
+        return None
+    from docfuse.runtime.kv_store import KVStore
+
+    return KVStore(params.kv_store, int(params.kv_store_max_gb * 1e9))
+
+
 class DecodeParams(StageParams):
     model: str = Field("default", description="'default' (the embedded SmolLM2-135M-Instruct) or a local "
                                               "Hugging Face model folder")
@@ -67,6 +77,9 @@ class DecodeParams(StageParams):
                                     "(kv: null) and tiered caches prefilled token by token, one question at a time "
                                     "and in the engine; a layer-major prefill is not stored")
     kv_store_max_gb: float = Field(20.0, gt=0, description="the KV store's size cap; least recently used go first")
+    kv_store_gpu: bool = Field(False, description="use kv_store when decoding on a GPU too. Off by default: on an "
+                               "H100 (8B model, 17.8K tokens) loading an entry took 2.3x a fresh prefill's first "
+                               "token and storing it 20 s; the store pays where prefill is slow (the CPU)")
     cite: bool = Field(True, description="fill cited_pages: the pages the answer's own attention drew on most "
                                          "(one extra forward of the answer's tokens; a full cache only, kv: null)")
     ignore_eos: bool = Field(False, description="decode max_new_tokens for every answer, past end-of-sequence "
@@ -173,11 +186,7 @@ class DecodeGenerate(Stage):
         p = self.params
         model, tokenizer = shared_model(p.model, p.dtype, p.device)
         system = DEFAULT_SYSTEM if p.system is None else (p.system or None)
-        store = None
-        if p.kv_store:
-            from docfuse.runtime.kv_store import KVStore
-
-            store = KVStore(p.kv_store, int(p.kv_store_max_gb * 1e9))
+        store = kv_store_for(p, next(model.parameters()).device)
         self.session = Session(model, tokenizer, ChatPrompt(tokenizer, system), kv=p.kv,
                                pruning=p.pruning, stop=p.stop, cite=p.cite,
                                sampling=Sampling(p.temperature, p.top_p, p.seed), kv_store=store)

@@ -84,6 +84,20 @@ def test_the_stage_hands_an_automatic_prefill_chunk_to_the_engine_as_automatic()
         assert decode.engine is not None and decode.engine._auto_chunk is auto
 
 
+def test_the_kv_store_is_off_on_a_gpu_unless_asked_for(tmp_path):
+    """On a GPU a fresh prefill beats loading an entry (issue 24's H100 figures): the store is used there only with
+    kv_store_gpu; on the CPU whenever kv_store names a folder."""
+    from docfuse.runtime.kv_store import KVStore
+    from docfuse.stages.decode import DecodeParams, kv_store_for
+
+    folder = str(tmp_path / "kv")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(kv_store_for(DecodeParams(kv_store=folder), cpu), KVStore)
+    assert kv_store_for(DecodeParams(kv_store=folder), cuda) is None
+    assert isinstance(kv_store_for(DecodeParams(kv_store=folder, kv_store_gpu=True), cuda), KVStore)
+    assert kv_store_for(DecodeParams(kv_store=False), cpu) is None
+
+
 def test_questions_list_wins_over_question():
     assert stage("one", ["a", "b"]).questions() == ["a", "b"]
     assert stage("one").questions() == ["one"]
