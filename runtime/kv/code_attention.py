@@ -18,6 +18,13 @@ float conversion, no mask, no interleave.
 The maths is float32 end to end; it equals the dequantise-then-attend reference to float32 rounding (tests: 1e-4,
 1e-3 at 2 bits, where the unmasked planes reach 255 before the shifts cancel). The
 differential encoding (per-page anchors) is not folded: those tiers take the dequantising path.
+
+Eight-bit codes (the default) are the exception: a byte is one code, there are no planes to save, and the folded keys
+cost one small matmul per group of 32 tokens (216 of them at 7K tokens) while dequantising into float32 is one
+conversion and one multiply-add over the tier. On two AMD EPYC cores, one layer of the embedded model over 6,912
+association tokens: keys 644 us folded against ~200 dequantised (plus one matmul), values 1,101 against ~180. So an
+8-bit tier (keys or values, each on its own) is dequantised into float32 and attended with one matmul: exactly the
+reference's arithmetic. (Dequantising into bf16 instead takes 8 ms there: bf16 elementwise maths is slow on CPUs.)
 """
 
 from __future__ import annotations
@@ -115,14 +122,20 @@ def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, 
     scores = torch.matmul(qg, core_k[:, :, :n_core].float().transpose(-1, -2))  # [B, H, r, n_core]
     n_assoc = assoc.length if assoc is not None else 0
     if n_assoc:
-        codes = association_scores(qg, assoc)
+        if assoc.keys.bits == 8:  # one code a byte: dequantised in float32, one matmul (module docstring)
+            codes = torch.matmul(qg, assoc.keys.dequantize(torch.float32).transpose(-1, -2))
+        else:
+            codes = association_scores(qg, assoc)
         if assoc.hidden is not None:  # fixed codes: positions the core holds exactly take no weight here
             codes.masked_fill_(assoc.hidden.unsqueeze(2), float("-inf"))
         scores = torch.cat([codes, scores], dim=-1)
     p = scores.softmax(dim=-1)
     out = torch.matmul(p[..., n_assoc:], core_v[:, :, :n_core].float())
     if n_assoc:
-        out += association_values(p[..., :n_assoc], assoc)
+        if assoc.values.bits == 8:
+            out += torch.matmul(p[..., :n_assoc], assoc.values.dequantize(torch.float32))
+        else:
+            out += association_values(p[..., :n_assoc], assoc)
     return out.view(b, hq, d)
 
 
