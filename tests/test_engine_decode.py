@@ -288,6 +288,17 @@ def test_the_open_documents_archive_stays_on_the_card_when_it_fits_beside_the_st
     assert Engine(model, KV, set(), archive="host")._device_archive(10) is False
 
 
+def on_a_card(monkeypatch, engine: Engine, free: int) -> Engine:
+    """``engine`` as if on a CUDA card with ``free`` bytes beside its prefill (pool sizing only; nothing runs)."""
+    from docfuse.runtime.loading import AUTO_PREFILL_CHUNK
+
+    engine.device = torch.device("cuda")
+    engine.prefill_chunk = engine._chunk_setting = AUTO_PREFILL_CHUNK["cuda"]
+    monkeypatch.setattr(engine, "_cuda_pool_bytes",
+                        lambda longest, wanted: free - engine.prefill_reserve(longest, archive=False))
+    return engine
+
+
 def test_an_automatic_prefill_chunk_is_one_pass_unless_the_streams_need_that_memory(monkeypatch) -> None:
     """prefill_chunk auto on CUDA: a document prefilled token by token in one pass of up to 131,072 tokens (the
     fastest attention there), unless that pass's activations would leave the pool short of what the run's streams
@@ -301,11 +312,8 @@ def test_an_automatic_prefill_chunk_is_one_pass_unless_the_streams_need_that_mem
     assert auto.prefill_chunk == AUTO_PREFILL_CHUNK["cpu"] and auto._auto_pool_bytes(40000, 1 << 20) == 1 << 30
     streams = 1 << 30
 
-    def card(engine: Engine, free: int) -> None:
-        engine.device = torch.device("cuda")
-        engine.prefill_chunk = engine._chunk_setting = AUTO_PREFILL_CHUNK["cuda"]
-        monkeypatch.setattr(engine, "_cuda_pool_bytes",
-                            lambda longest, wanted: free - engine.prefill_reserve(longest, archive=False))
+    def card(engine: Engine, free: int) -> Engine:
+        return on_a_card(monkeypatch, engine, free)
 
     card(auto, 0)
     one_pass = auto.prefill_reserve(40000, archive=False)
@@ -339,11 +347,7 @@ def test_a_long_document_prefills_token_major_when_the_card_has_room_beside_the_
     streams = 1 << 30
 
     def card(engine: Engine, free: int) -> Engine:
-        engine.device = torch.device("cuda")
-        engine.prefill_chunk = engine._chunk_setting = AUTO_PREFILL_CHUNK["cuda"]
-        monkeypatch.setattr(engine, "_cuda_pool_bytes",
-                            lambda longest, wanted: free - engine.prefill_reserve(longest, archive=False))
-        return engine
+        return on_a_card(monkeypatch, engine, free)
 
     probe = card(Engine(model, KV, set(), archive="device"), 0)
     probe._layer_from = long + 1

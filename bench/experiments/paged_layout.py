@@ -17,23 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from bench.experiments.sweep_paged_kernel import harness_us, per_call_us, random_pool  # noqa: E402
+
 POOL_TENSORS = ("core_k", "core_v", "key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
 
 
 def head_major(t: torch.Tensor) -> torch.Tensor:
@@ -47,29 +40,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--out", type=Path, default=Path("paged_layout.json"))
     args = parser.parse_args()
-    from transformers import LlamaConfig
+    from docfuse.runtime.gpu import paged_kernel
 
-    from docfuse.runtime.engine.pool import PagePool, PoolShape, pages_for
-    from docfuse.runtime.gpu import attention_kernel, paged_kernel
-    from docfuse.runtime.kv import as_kv_config
-    from docfuse.runtime.kv.association import AssociationStore
-
-    config = LlamaConfig(num_hidden_layers=1, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
-    kv = as_kv_config({"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
-                       "association_key_bits": 4})
-    shape = PoolShape.of(config, kv, torch.bfloat16)
-    n_core, n_assoc = int(args.tokens * 0.10), int(args.tokens * 0.25) // shape.group * shape.group
-    pc, pa = pages_for(n_core, shape.page), pages_for(n_assoc, shape.page)
-    pool = PagePool(shape, pc, pa, "cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for t in (pool.core_k, pool.core_v):
-        t.normal_(generator=g)
-    for t in (pool.key_codes, pool.value_codes):
-        t.copy_(torch.randint(0, 256, t.shape, device="cuda", dtype=torch.uint8, generator=g))
-    for t in (pool.key_scale, pool.value_scale):
-        t.uniform_(0.01, 0.1, generator=g)
-    for t in (pool.key_zero, pool.value_zero):
-        t.uniform_(-0.5, 0.5, generator=g)
+    pool, n_core, n_assoc = random_pool(args.tokens, g)
+    pc, pa = pool.core_total, pool.assoc_total
     rows_major = {name: getattr(pool, name) for name in POOL_TENSORS}
     heads_major = {name: head_major(t) for name, t in rows_major.items()}
     tables = {
@@ -98,13 +73,7 @@ def main() -> None:
                    "max_diff": (out - reference).abs().max().item()}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-    k = torch.randn(1, 8, n_assoc, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(1, 8, n_assoc, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    assoc = AssociationStore.build(k, v, 4, shape.group, key_bits=4)
-    ck = torch.randn(1, 8, n_core, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    cv = torch.randn(1, 8, n_core, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    result["harness_us"] = per_call_us(
-        lambda: attention_kernel.tiered_decode_attention(q, ck, cv, n_core, assoc, scale), args.calls)
+    result["harness_us"] = harness_us(q, n_core, n_assoc, pool.shape.group, g, args.calls)
     print("harness", round(result["harness_us"], 1), flush=True)
     args.out.write_text(json.dumps(result, indent=1))
 

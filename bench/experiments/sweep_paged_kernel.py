@@ -32,27 +32,21 @@ def per_call_us(fn, calls: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=132017)
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--out", type=Path, default=Path("sweep_paged.json"))
-    args = parser.parse_args()
+def random_pool(tokens: int, g: torch.Generator):
+    """A one-layer 8B-shaped :class:`PagePool` (32 query heads, 8 KV heads, head dim 128, bf16) holding the bench's
+    budgets at ``tokens`` (a core of 10%, an association tier of 25% at 4/4 bits) in random contents (the time does
+    not depend on them): ``(pool, n_core, n_assoc)``."""
     from transformers import LlamaConfig
 
     from docfuse.runtime.engine.pool import PagePool, PoolShape, pages_for
-    from docfuse.runtime.gpu import attention_kernel, paged_kernel
     from docfuse.runtime.kv import as_kv_config
-    from docfuse.runtime.kv.association import AssociationStore
 
     config = LlamaConfig(num_hidden_layers=1, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
     kv = as_kv_config({"core_tokens": 0.10, "association_tokens": 0.25, "association_bits": 4,
                        "association_key_bits": 4})
     shape = PoolShape.of(config, kv, torch.bfloat16)
-    n_core, n_assoc = int(args.tokens * 0.10), int(args.tokens * 0.25) // shape.group * shape.group
-    pc, pa = pages_for(n_core, shape.page), pages_for(n_assoc, shape.page)
-    pool = PagePool(shape, pc, pa, "cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
+    n_core, n_assoc = int(tokens * 0.10), int(tokens * 0.25) // shape.group * shape.group
+    pool = PagePool(shape, pages_for(n_core, shape.page), pages_for(n_assoc, shape.page), "cuda")
     for t in (pool.core_k, pool.core_v):
         t.normal_(generator=g)
     for t in (pool.key_codes, pool.value_codes):
@@ -61,6 +55,34 @@ def main() -> None:
         t.uniform_(0.01, 0.1, generator=g)
     for t in (pool.key_zero, pool.value_zero):
         t.uniform_(-0.5, 0.5, generator=g)
+    return pool, n_core, n_assoc
+
+
+def harness_us(q: torch.Tensor, n_core: int, n_assoc: int, group: int, g: torch.Generator, calls: int) -> float:
+    """The harness kernel (``attention_kernel``) over the same token counts in contiguous tiers: us per call."""
+    from docfuse.runtime.gpu import attention_kernel
+    from docfuse.runtime.kv.association import AssociationStore
+
+    k = torch.randn(1, 8, n_assoc, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, 8, n_assoc, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    assoc = AssociationStore.build(k, v, 4, group, key_bits=4)
+    ck = torch.randn(1, 8, n_core, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cv = torch.randn(1, 8, n_core, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    return per_call_us(lambda: attention_kernel.tiered_decode_attention(q, ck, cv, n_core, assoc, 128 ** -0.5),
+                       calls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=132017)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("sweep_paged.json"))
+    args = parser.parse_args()
+    from docfuse.runtime.gpu import paged_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool, n_core, n_assoc = random_pool(args.tokens, g)
+    pc, pa = pool.core_total, pool.assoc_total
     # a stream's pages in a shuffled order, as a pool that has served others hands them out
     core_table = (torch.randperm(pc, generator=torch.Generator().manual_seed(1)) + 1).int().cuda()[None]
     assoc_table = (torch.randperm(pa, generator=torch.Generator().manual_seed(2)) + 1).int().cuda()[None]
@@ -95,14 +117,7 @@ def main() -> None:
     paged_kernel.TUNED.update(default)
     default_row = next(r for r in result["rows"] if r.get("num_warps") == 8 and r.get("num_stages") == 2
                        and r.get("programs_per_sm") == 4)
-    # the harness's kernel over the same counts, contiguous
-    k = torch.randn(1, 8, n_assoc, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(1, 8, n_assoc, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    assoc = AssociationStore.build(k, v, 4, shape.group, key_bits=4)
-    ck = torch.randn(1, 8, n_core, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    cv = torch.randn(1, 8, n_core, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    harness = per_call_us(lambda: attention_kernel.tiered_decode_attention(q, ck, cv, n_core, assoc, scale),
-                          args.calls)
+    harness = harness_us(q, n_core, n_assoc, pool.shape.group, g, args.calls)
     best = min((r for r in result["rows"] if "us" in r), key=lambda r: r["us"])
     result.update({"harness_us": harness, "default": default_row, "best": best})
     print("harness", round(harness, 1), "default", round(default_row["us"], 1), "best", json.dumps(best), flush=True)
