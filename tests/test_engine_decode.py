@@ -342,8 +342,8 @@ def test_a_long_document_prefills_token_major_when_the_card_has_room_beside_the_
     from docfuse.runtime.engine.engine import LAYER_MAJOR_FROM
     from docfuse.runtime.loading import AUTO_PREFILL_CHUNK
 
-    model = tiny()
-    long = 100_000
+    model = tiny(layers=32)  # an 8B's layer count: one layer's K/V is a small share of the whole cache
+    long = 200_000
     streams = 1 << 30
 
     def card(engine: Engine, free: int) -> Engine:

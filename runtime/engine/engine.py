@@ -275,9 +275,11 @@ class Engine:
         if layers:  # fill_cache gives a layer-major prefill at most this many a call
             chunk = min(chunk, layer_prefill.MAX_CHUNK)
         inter = int(getattr(config, "intermediate_size", 4 * hidden))
-        # SDPA's fused kernels never hold the chunk x document scores; the MLP's and projections' rows do count
-        # (in the model's dtype: 8B at 131,072 tokens measured ~120 KB a token, this gives 135)
-        activations = chunk * (3 * inter + 6 * hidden) * item + int(config.vocab_size) * 4 * 2
+        # SDPA's fused kernels never hold the chunk x document scores; the MLP's and projections' rows do count. In
+        # the model's dtype for a token-major pass (8B at 131,072 tokens measured ~120 KB a token; this gives 135);
+        # twice that for a layer-major call, which measured ~170 KB a token at 65,536 (H100, fourteenth session)
+        per_token = (3 * inter + 6 * hidden) * item * (2 if layers else 1)
+        activations = chunk * per_token + int(config.vocab_size) * 4 * 2
         archived = self._device_archive(tokens) if archive is None else archive
         if layers:
             cache = tiers + 2 * full // s.layers + tokens * hidden * item * 2 + (full if archived else 0)
