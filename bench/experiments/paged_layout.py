@@ -24,7 +24,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from bench.experiments.sweep_paged_kernel import harness_us, per_call_us, random_pool  # noqa: E402
+from bench.experiments.sweep_paged_kernel import harness_us, per_call_us, random_pool, shuffled_tables  # noqa: E402
 
 POOL_TENSORS = ("core_k", "core_v", "key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
 
@@ -48,8 +48,7 @@ def main() -> None:
     rows_major = {name: getattr(pool, name) for name in POOL_TENSORS}
     heads_major = {name: head_major(t) for name, t in rows_major.items()}
     tables = {
-        "shuffled": ((torch.randperm(pc, generator=torch.Generator().manual_seed(1)) + 1).int().cuda()[None],
-                     (torch.randperm(pa, generator=torch.Generator().manual_seed(2)) + 1).int().cuda()[None]),
+        "shuffled": shuffled_tables(pc, pa),
         "in_order": ((torch.arange(pc) + 1).int().cuda()[None], (torch.arange(pa) + 1).int().cuda()[None]),
     }
     nc = torch.tensor([n_core], dtype=torch.int32, device="cuda")

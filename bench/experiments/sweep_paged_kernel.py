@@ -58,6 +58,14 @@ def random_pool(tokens: int, g: torch.Generator):
     return pool, n_core, n_assoc
 
 
+def shuffled_tables(core_pages: int, assoc_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stream's core and association page tables [1, W] over pages 1.. in a fixed shuffled order, as a pool
+    that has served others hands them out."""
+    core = torch.randperm(core_pages, generator=torch.Generator().manual_seed(1)) + 1
+    assoc = torch.randperm(assoc_pages, generator=torch.Generator().manual_seed(2)) + 1
+    return core.int().cuda()[None], assoc.int().cuda()[None]
+
+
 def harness_us(q: torch.Tensor, n_core: int, n_assoc: int, group: int, g: torch.Generator, calls: int) -> float:
     """The harness kernel (``attention_kernel``) over the same token counts in contiguous tiers: us per call."""
     from docfuse.runtime.gpu import attention_kernel
@@ -83,9 +91,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     pool, n_core, n_assoc = random_pool(args.tokens, g)
     pc, pa = pool.core_total, pool.assoc_total
-    # a stream's pages in a shuffled order, as a pool that has served others hands them out
-    core_table = (torch.randperm(pc, generator=torch.Generator().manual_seed(1)) + 1).int().cuda()[None]
-    assoc_table = (torch.randperm(pa, generator=torch.Generator().manual_seed(2)) + 1).int().cuda()[None]
+    core_table, assoc_table = shuffled_tables(pc, pa)
     nc, na = torch.tensor([n_core], dtype=torch.int32, device="cuda"), torch.tensor([n_assoc], dtype=torch.int32,
                                                                                       device="cuda")
     q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)

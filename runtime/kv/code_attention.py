@@ -74,8 +74,11 @@ def _codes_from_planes(a: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def association_scores(qg: torch.Tensor, assoc: AssociationStore) -> torch.Tensor:
-    """Scaled scores ``[B, H, r, n]`` of grouped queries ``qg`` [B, H, r, D] over the association keys."""
+    """Scaled scores ``[B, H, r, n]`` of grouped queries ``qg`` [B, H, r, D] over the association keys (8-bit keys:
+    dequantised in float32, one matmul; see the module docstring)."""
     keys = assoc.keys
+    if keys.bits == 8:
+        return torch.matmul(qg, keys.dequantize(torch.float32).transpose(-1, -2))
     b, h, r, d = qg.shape
     per, g = 8 // keys.bits, keys.group
     groups = keys.codes.shape[2] // g
@@ -88,8 +91,11 @@ def association_scores(qg: torch.Tensor, assoc: AssociationStore) -> torch.Tenso
 
 
 def association_values(p: torch.Tensor, assoc: AssociationStore) -> torch.Tensor:
-    """``sum_t p[t] * v[t]`` [B, H, r, D] for attention weights ``p`` [B, H, r, n] over the association values."""
+    """``sum_t p[t] * v[t]`` [B, H, r, D] for attention weights ``p`` [B, H, r, n] over the association values
+    (8-bit values: dequantised in float32, one matmul)."""
     values = assoc.values
+    if values.bits == 8:
+        return torch.matmul(p, values.dequantize(torch.float32))
     b, h, r, n = p.shape
     per, vg = 8 // values.bits, values.group
     d = values.codes.shape[-1] * per
@@ -122,20 +128,14 @@ def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, 
     scores = torch.matmul(qg, core_k[:, :, :n_core].float().transpose(-1, -2))  # [B, H, r, n_core]
     n_assoc = assoc.length if assoc is not None else 0
     if n_assoc:
-        if assoc.keys.bits == 8:  # one code a byte: dequantised in float32, one matmul (module docstring)
-            codes = torch.matmul(qg, assoc.keys.dequantize(torch.float32).transpose(-1, -2))
-        else:
-            codes = association_scores(qg, assoc)
+        codes = association_scores(qg, assoc)
         if assoc.hidden is not None:  # fixed codes: positions the core holds exactly take no weight here
             codes.masked_fill_(assoc.hidden.unsqueeze(2), float("-inf"))
         scores = torch.cat([codes, scores], dim=-1)
     p = scores.softmax(dim=-1)
     out = torch.matmul(p[..., n_assoc:], core_v[:, :, :n_core].float())
     if n_assoc:
-        if assoc.values.bits == 8:
-            out += torch.matmul(p[..., :n_assoc], assoc.values.dequantize(torch.float32))
-        else:
-            out += association_values(p[..., :n_assoc], assoc)
+        out += association_values(p[..., :n_assoc], assoc)
     return out.view(b, hq, d)
 
 
