@@ -323,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layer-chunk", type=int, default=None, help="most tokens a layer-major prefill call takes "
                         "(runtime.layer_prefill.MAX_CHUNK, 8,192 unless given); workloads are then kept as "
                         "NAME_layerchunkN")
+    parser.add_argument("--paged-prefetch", action="store_true", help="the paged kernel loads the next page index a "
+                        "tile ahead (runtime.gpu.paged_kernel.TUNED['prefetch_pages']); workloads are then kept as "
+                        "NAME_prefetch")
     parser.add_argument("--anchor-tokens", type=int, nargs="+", default=[32768, 131072 - 2048],
                         help="prompt lengths of the StaticCache-graph anchor (static_anchor)")
     args = parser.parse_args(argv)
@@ -336,7 +339,12 @@ def main(argv: list[str] | None = None) -> None:
     kv = {**budgets, "questions": args.questions}
     suffix = (("" if args.questions == "each" else "_" + args.questions) + ("" if args.kv is None else "_kv")
               + ("" if args.prefill_chunk == "auto" else f"_chunk{args.prefill_chunk}")
-              + ("" if args.layer_chunk is None else f"_layerchunk{args.layer_chunk}"))
+              + ("" if args.layer_chunk is None else f"_layerchunk{args.layer_chunk}")
+              + ("_prefetch" if args.paged_prefetch else ""))
+    if args.paged_prefetch:
+        from docfuse.runtime.gpu import paged_kernel
+
+        paged_kernel.TUNED["prefetch_pages"] = 1
     if args.layer_chunk is not None:
         from docfuse.runtime import layer_prefill
 

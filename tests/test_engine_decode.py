@@ -168,12 +168,13 @@ def test_the_paged_kernel_matches_the_reference_under_the_triton_interpreter() -
 
 def kernel_vs_reference() -> float:
     """Largest relative error of the paged kernel against the row-by-row reference, over ragged rows, for 4- and
-    8-bit codes (run under TRITON_INTERPRET=1 by the test above)."""
+    8-bit codes, page indices loaded in their tile or prefetched (run under TRITON_INTERPRET=1 by the test above)."""
     from docfuse.runtime.engine.step import BatchStep
-    from docfuse.runtime.gpu.paged_kernel import paged_decode_attention
+    from docfuse.runtime.gpu.paged_kernel import TUNED, paged_decode_attention
 
     torch.manual_seed(0)
     worst = 0.0
+    default = TUNED["prefetch_pages"]
     for key_bits, bits in ((8, 4), (4, 8), (8, 8)):
         config = tiny().config
         config.head_dim = 32
@@ -182,7 +183,7 @@ def kernel_vs_reference() -> float:
                           value_bits=bits, group=32, page=32)
         pool = PagePool(shape, 12, 12, "cpu")
         streams = []
-        for n_core, n_assoc in ((5, 0), (40, 70), (33, 96)):
+        for n_core, n_assoc in ((5, 0), (100, 70), (33, 96)):  # 100: two core pages in one split
             cache_k = torch.randn(1, 2, n_core, 32)
             cache_v = torch.randn(1, 2, n_core, 32)
             core, assoc = pool.allocate(-(-n_core // 32), -(-n_assoc // 32))
@@ -212,8 +213,13 @@ def kernel_vs_reference() -> float:
                 at[r, : len(p.assoc)] = torch.tensor(p.assoc)
         nc = torch.tensor([p.n_core for p in streams] + [1], dtype=torch.int32)
         na = torch.tensor([p.n_assoc for p in streams] + [0], dtype=torch.int32)
-        out = paged_decode_attention(q, pool, 0, ct, nc, at, na, 32 ** -0.5, splits=2)[:3]
-        worst = max(worst, float((out - ref).norm() / ref.norm()))
+        for prefetch in (0, 1):  # the page index loaded in its tile, or one tile ahead
+            TUNED["prefetch_pages"] = prefetch
+            try:
+                out = paged_decode_attention(q, pool, 0, ct, nc, at, na, 32 ** -0.5, splits=2)[:3]
+            finally:
+                TUNED["prefetch_pages"] = default
+            worst = max(worst, float((out - ref).norm() / ref.norm()))
         del kv
     return worst
 

@@ -73,7 +73,7 @@ if HAS_TRITON:
         M_OUT, L_OUT, ACC_OUT, n_split, split_at, splits_out, hkv, qk_scale,
         GQ: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
         KGROUP: tl.constexpr, VGROUP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr,
-        PRECISE: tl.constexpr,
+        PRECISE: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         # program: (table row b, KV head h, split); its query rows are the GQ heads of h of each of the MEMBERS batch
         # rows MT[b] lists (-1: none), so the pages of a table row shared by several streams are read once for all
@@ -98,9 +98,14 @@ if HAS_TRITON:
         n_a = tl.load(NA + b)
         pages_a = tl.cdiv(n_a, PAGE)
         per_a = tl.cdiv(pages_a, n_split)
+        nxt = tl.load(AT + b * s_atb + pid_s * per_a, mask=pid_s * per_a < pages_a, other=0)
         for i in tl.range(0, per_a):
             pi = pid_s * per_a + i
-            page = tl.load(AT + b * s_atb + pi, mask=pi < pages_a, other=0)
+            if PREFETCH:  # the next tile's page index loads while this tile computes
+                page = nxt
+                nxt = tl.load(AT + b * s_atb + pi + 1, mask=pi + 1 < pages_a, other=0)
+            else:
+                page = tl.load(AT + b * s_atb + pi, mask=pi < pages_a, other=0)
             t = pi * PAGE + n
             t_ok = (t < n_a) & (pi < pages_a)
             rows = page * PAGE + n
@@ -123,9 +128,14 @@ if HAS_TRITON:
         n_c = tl.load(NC + b)
         pages_c = tl.cdiv(n_c, PAGE)
         per_c = tl.cdiv(pages_c, n_split)
+        nxt = tl.load(CT + b * s_ctb + pid_s * per_c, mask=pid_s * per_c < pages_c, other=0)
         for i in tl.range(0, per_c):
             pi = pid_s * per_c + i
-            page = tl.load(CT + b * s_ctb + pi, mask=pi < pages_c, other=0)
+            if PREFETCH:
+                page = nxt
+                nxt = tl.load(CT + b * s_ctb + pi + 1, mask=pi + 1 < pages_c, other=0)
+            else:
+                page = tl.load(CT + b * s_ctb + pi, mask=pi < pages_c, other=0)
             t = pi * PAGE + n
             t_ok = (t < n_c) & (pi < pages_c)
             off = (page * PAGE + n)[:, None] * s_ct + h * s_ch + d[None, :]
@@ -144,7 +154,7 @@ if HAS_TRITON:
 #: ``SAFE_STAGES``), and ``programs_per_sm``, the programs per multiprocessor the splits aim at. Swept at batch 1 and
 #: 132K on an H100 (``bench/experiments/sweep_paged_kernel.py``): 4 stages took 166.7 us a layer alone against 183.3
 #: with 2, but the engine's 128K decode did not move (99.6 tok/s against 101.0), so 2 stays.
-TUNED: dict[str, int | None] = {"num_warps": None, "num_stages": 2, "programs_per_sm": 4}
+TUNED: dict[str, int | None] = {"num_warps": None, "num_stages": 2, "programs_per_sm": 4, "prefetch_pages": 0}
 SAFE_STAGES = 2
 
 
@@ -232,7 +242,7 @@ def _launch(q: torch.Tensor, pool, layer: int, core_table: torch.Tensor, n_core:
         m, l, acc, splits, split_at, m.shape[2], hkv, scale * LOG2E,
         GQ=gq, MEMBERS=per, BLOCK_G=max(16, triton.next_power_of_2(gq * per)), PAGE=s.page, D=dim,
         KGROUP=s.group, VGROUP=s.vgroup, KBITS=s.key_bits, VBITS=s.value_bits,
-        DOT=tl.float32 if precise else _dot_dtype(), PRECISE=precise,
+        DOT=tl.float32 if precise else _dot_dtype(), PRECISE=precise, PREFETCH=bool(TUNED["prefetch_pages"]),
         num_warps=TUNED["num_warps"] or (8 if s.page >= 128 else 4),
         num_stages=TUNED["num_stages"] if per == 1 and q.dtype != torch.float32 else SAFE_STAGES,
     )
