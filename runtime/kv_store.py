@@ -26,6 +26,7 @@ then has nothing left to compress.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -135,7 +136,9 @@ class KVStore:
                               "(--set answer.kv_store_max_gb=N) to keep documents this long", stacklevel=2)
             self.too_large += 1
             return None
-        blobs = [pack_exact(t) for k, v in layers for t in (k, v)]
+        tensors = [t for pair in layers for t in pair]
+        pool = reader_pool()  # LZ4 releases the GIL, and GPU tensors are shuffled on the card: blocks pack side by side
+        blobs = list(pool.map(pack_exact, tensors)) if pool is not None else [pack_exact(t) for t in tensors]
         if tokens is None:
             tokens = int(layers[0][0].shape[2]) if layers else 0
         header = {"tokens": int(tokens), "source": source, "saved": time.time(),
@@ -337,7 +340,8 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
     per = len(blocks) // len(layers)
     pool = reader_pool()  # LZ4 and numpy release the GIL: on enough cores the blocks unpack side by side
     blobs = [blob for pair in blocks for blob in pair]
-    tensors = list(pool.map(unpack_exact, blobs) if pool is not None else map(unpack_exact, blobs))
+    unpack = functools.partial(unpack_exact, device=device)  # on a GPU the planes interleave there
+    tensors = list(pool.map(unpack, blobs) if pool is not None else map(unpack, blobs))
     for i, layer in enumerate(layers):
         keys, values = tensors[2 * i * per: 2 * (i + 1) * per: 2], tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
         layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))

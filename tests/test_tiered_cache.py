@@ -69,6 +69,32 @@ def test_background_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
         assert blob.nbytes() < 0.97 * blob.raw_nbytes()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_shuffle_makes_the_hosts_planes_and_undoes_them(dtype: torch.dtype) -> None:
+    """``planes_of``/``tensor_of_planes`` are what ``pack_exact``/``unpack_exact`` run on a GPU (a KV store entry
+    saved or loaded by the engine); run here in torch on the CPU, they must give the numpy path's bytes, so that an
+    entry written on a card loads on a CPU and back."""
+    import numpy as np
+
+    from docfuse.runtime.kv.background import planes_of, tensor_of_planes
+
+    x = (torch.randn(1, 3, 45, 64) * 3).to(dtype)[:, :, 5:40]  # a block: a view into a longer layer
+    host = pack_exact(x)
+    planes = planes_of(x)
+    raw = [np.frombuffer(plane, dtype=np.uint8) for plane in _raw_planes(host)]
+    assert planes.shape == (x.element_size(), x.numel())
+    assert all(torch.equal(planes[i], torch.from_numpy(raw[i].copy())) for i in range(len(raw)))
+    back = tensor_of_planes(planes, dtype, tuple(x.shape))
+    int_type = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    assert back.dtype == dtype and torch.equal(back.view(int_type), x.contiguous().view(int_type))
+
+
+def _raw_planes(blob) -> list[bytes]:
+    import lz4.block
+
+    return [lz4.block.decompress(p[1:]) if p[:1] == b"\x01" else bytes(p[1:]) for p in blob.planes]
+
+
 def test_archive_append_read_truncate_exact() -> None:
     k, v = torch.randn(1, 2, 700, 16), torch.randn(1, 2, 700, 16)
     archive = ExactArchive(block_tokens=256)

@@ -57,12 +57,30 @@ def pack_exact(x: torch.Tensor, codec: str | None = "lz4") -> ExactBlob:
     The byte shuffling runs in numpy as two contiguous copies (channel-major, then plane-major); numpy and LZ4 both
     release the GIL there, so several blocks pack in parallel threads (:class:`ArchiveWriter`).
     """
-    host = x.detach().to("cpu")
+    if x.device.type != "cpu":  # shuffled where it lies (a GPU does it at memory speed); one copy to the host
+        return planes_blob(planes_of(x.detach()).cpu().numpy(), x.dtype, tuple(x.shape), codec)
+    host = x.detach()
     size = host.element_size()
     ints = host.contiguous().view(_INT_VIEW[size]).numpy()
     flat = np.ascontiguousarray(np.swapaxes(ints, -1, -2)).reshape(-1).view(np.uint8)
     by_plane = np.ascontiguousarray(flat.reshape(-1, size).T)
     return planes_blob(by_plane, host.dtype, tuple(host.shape), codec)
+
+
+def planes_of(x: torch.Tensor) -> torch.Tensor:
+    """The byte planes of ``x`` [..., T, D] as uint8 ``[element size, elements]``, channel-major, in torch on
+    ``x``'s device: the same bytes :func:`pack_exact`'s numpy shuffle makes on the host."""
+    size = x.element_size()
+    return x.transpose(-1, -2).contiguous().view(torch.uint8).reshape(-1, size).t().contiguous()
+
+
+def tensor_of_planes(planes: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of :func:`planes_of`, in torch on ``planes``' device: uint8 ``[element size, elements]`` back
+    into the ``shape`` tensor of ``dtype``."""
+    swapped = list(shape)
+    swapped[-1], swapped[-2] = swapped[-2], swapped[-1]
+    ints = planes.t().contiguous().view(_INT_VIEW[planes.shape[0]]).reshape(swapped)
+    return ints.transpose(-1, -2).contiguous().view(dtype)
 
 
 def planes_blob(by_plane: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], codec: str | None,
@@ -104,10 +122,16 @@ def byte_planes(k: torch.Tensor, v: torch.Tensor, block: int) -> list[tuple[int,
     return out
 
 
-def unpack_exact(blob: ExactBlob) -> torch.Tensor:
-    """Decompress an :class:`ExactBlob` back into the identical CPU tensor."""
+def unpack_exact(blob: ExactBlob, device: torch.device | str | None = None) -> torch.Tensor:
+    """Decompress an :class:`ExactBlob` back into the identical tensor: on the CPU, or on ``device`` (a GPU: the
+    planes go over as they are and are interleaved there, :func:`tensor_of_planes`, instead of by the host)."""
     size = len(blob.planes)
     raw = [lz4.block.decompress(p[1:]) if p[:1] == _LZ4 else p[1:] for p in blob.planes]
+    if device is not None and torch.device(device).type != "cpu":
+        planes = np.empty((size, len(raw[0])), dtype=np.uint8)
+        for i, plane in enumerate(raw):
+            planes[i] = np.frombuffer(plane, dtype=np.uint8)
+        return tensor_of_planes(torch.from_numpy(planes).to(device), blob.dtype, tuple(blob.shape))
     flat = np.empty(len(raw[0]) * size, dtype=np.uint8)
     for i, plane in enumerate(raw):
         flat[i::size] = np.frombuffer(plane, dtype=np.uint8)
