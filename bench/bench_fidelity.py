@@ -265,7 +265,10 @@ def speed(cases_dir: Path, names: list[str], docs: int, rounds: int, device: str
     rows: dict[str, list[dict]] = {n: [] for n in names}
     for _ in range(rounds):
         for name in order:
-            base = config_pipeline(name, device, max_new_tokens=new_tokens, ignore_eos=True)
+            # NAME~nokernels: the config with runtime.kv.code_kernels off (the torch path), A/B in one process
+            config, _, variant = name.partition("~")
+            os.environ["DOCFUSE_CODE_KERNELS"] = "0" if variant == "nokernels" else "1"
+            base = config_pipeline(config, device, max_new_tokens=new_tokens, ignore_eos=True)
             for case in cases:
                 pipeline = base.copy()
                 pipeline.set("params.questions", case["questions"])

@@ -102,7 +102,7 @@ def scan_pdf(page: pymupdf.Page, dpi: int, condition: str, path: Path, rng: rand
     doc = pymupdf.open()
     out = doc.new_page(width=page.rect.width, height=page.rect.height)
     out.insert_image(out.rect, stream=png)
-    doc.save(path)
+    doc.save(path, deflate=True)  # a scan is stored compressed (lossless here: the same pixels)
     return png
 
 

@@ -6,7 +6,7 @@
 # Prepare on the dev machine (ignored folders, listed in .git/info/exclude):
 #   .dev1/whl  py3.12 manylinux wheels: lz4 pydantic pydantic-core annotated-types annotated-doc typing-inspection
 #              pyyaml gguf typer rich shellingham markdown-it-py mdurl pygments click typing-extensions
-#              pymupdf==1.26.5 rank-bm25 setuptools   (pip download --python-version 3.12 --only-binary=:all: ...)
+#              pymupdf==1.26.5 rank-bm25 setuptools xxhash   (pip download --python-version 3.12 --only-binary=:all: ...)
 #              e.g. python3 -m pip download -q --dest .dev1/whl --python-version 3.12 --only-binary=:all:
 #                --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 <names>
 #              then delete numpy*, requests*, certifi*, charset*, idna*, urllib3* (the image has its own; 31 MB left)

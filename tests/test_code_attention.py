@@ -24,13 +24,18 @@ def tiers(b: int, hkv: int, d: int, n_core: int, n_assoc: int, bits: int, seed: 
     return core_k, core_v, AssociationStore.build(k, v, bits, 32)
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"])  # 8-bit tiers: the numba kernels, and the torch path without them
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("b,hkv,rep,d,n_core,n_assoc", [
     (1, 3, 3, 64, 50, 300),   # the embedded model's heads; a partial last key group
     (2, 2, 4, 32, 7, 64),     # batch rows, one channel group per value token
     (1, 1, 1, 128, 1, 33),
 ])
-def test_code_attention_equals_dequantise_then_attend(bits, b, hkv, rep, d, n_core, n_assoc) -> None:
+def test_code_attention_equals_dequantise_then_attend(bits, b, hkv, rep, d, n_core, n_assoc, kernels,
+                                                      monkeypatch) -> None:
+    if kernels == "0" and bits != 8:
+        pytest.skip("only 8-bit tiers have the kernels")
+    monkeypatch.setenv("DOCFUSE_CODE_KERNELS", kernels)
     core_k, core_v, assoc = tiers(b, hkv, d, n_core, n_assoc, bits)
     q = torch.randn(b, hkv * rep, d, generator=torch.Generator().manual_seed(9)) * 2
     ref = tiered_decode_reference(q, core_k, core_v, n_core, assoc, d ** -0.5)
@@ -55,6 +60,21 @@ def test_keys_and_values_at_different_bits(key_bits, value_bits) -> None:
     err = (assoc.dequantize(torch.float32)[0] - k).abs().mean()
     err4 = (AssociationStore.build(k, v, value_bits, 32, key_bits=4).dequantize(torch.float32)[0] - k).abs().mean()
     assert key_bits != 8 or err < err4 / 8
+
+
+def test_eight_bit_tiers_are_read_by_the_code_kernels_where_numba_is(monkeypatch) -> None:
+    """numba is a dependency: on a CPU an 8-bit tier's scores and values go through ``code_kernels`` (a broken import
+    or a lost branch would fall back to the slower torch path silently; this catches it)."""
+    from docfuse.runtime.kv import code_kernels
+
+    assert code_kernels.available(), "numba did not import: the 8-bit decode falls back to torch"
+    calls = []
+    for name in ("scores", "values"):
+        real = getattr(code_kernels, name)
+        monkeypatch.setattr(code_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    core_k, core_v, assoc = tiers(1, 3, 64, 20, 100, 8)
+    ca.code_attention(torch.randn(1, 9, 64), core_k, core_v, 20, assoc, 0.125)
+    assert calls == ["scores", "values"]
 
 
 def test_code_attention_bf16_tiers_and_no_association() -> None:

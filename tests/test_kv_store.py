@@ -352,3 +352,22 @@ def test_a_long_pass_out_of_memory_is_prefilled_again_in_smaller_passes_and_stor
     monkeypatch.setattr(session_module, "fill_cache", always_short)
     with pytest.raises(torch.OutOfMemoryError):  # passes of 8,192 or fewer have nothing smaller to try
         Session(model, tokenizer).prefill(prefix, chunk_size=TIGHT_PREFILL_CHUNK)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_entry_written_from_a_card_loads_bit_for_bit_on_the_card_and_on_the_host(tmp_path):
+    """On a GPU the byte planes are shuffled on the card (``planes_of``) and interleaved there on load
+    (``unpack_exact(device=...)``); the file is the same format, so the host reads it too."""
+    from docfuse.runtime.kv.background import unpack_exact
+
+    store = KVStore(tmp_path)
+    k = torch.randn(1, 3, 300, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 3, 300, 64, device="cuda", dtype=torch.bfloat16)
+    store.save("e", [(k[:, :, :256], v[:, :, :256]), (k[:, :, 256:], v[:, :, 256:])])
+    blobs = store.load("e", blobs=True)
+    on_card = [unpack_exact(b, device="cuda") for pair in blobs for b in pair]
+    on_host = [t for pair in store.load("e") for t in pair]
+    want = [k[:, :, :256], v[:, :, :256], k[:, :, 256:], v[:, :, 256:]]
+    for got, host, x in zip(on_card, on_host, want):
+        assert got.is_cuda and torch.equal(got.view(torch.int16), x.contiguous().view(torch.int16))
+        assert torch.equal(host.view(torch.int16), x.cpu().view(torch.int16))
