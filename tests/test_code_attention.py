@@ -77,6 +77,18 @@ def test_eight_bit_tiers_are_read_by_the_code_kernels_where_numba_is(monkeypatch
     assert calls == ["scores", "values"]
 
 
+def test_eight_bit_decodes_from_several_threads_at_once_agree() -> None:
+    """Threads decoding side by side (a pipeline's stages, a server) share the kernels: each gets its own answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    core_k, core_v, assoc = tiers(1, 3, 64, 20, 300, 8)
+    queries = [torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    alone = [ca.code_attention(q, core_k, core_v, 20, assoc, 0.125) for q in queries]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda q: ca.code_attention(q, core_k, core_v, 20, assoc, 0.125), queries))
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
 def test_code_attention_bf16_tiers_and_no_association() -> None:
     core_k, core_v, assoc = tiers(1, 3, 64, 40, 200, 4)
     core_k, core_v = core_k.bfloat16(), core_v.bfloat16()

@@ -14,6 +14,7 @@ numba after that) and use as many threads as torch does.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import torch
@@ -23,6 +24,10 @@ try:  # pragma: no cover - exercised where numba is missing
     from numba import njit, prange
 except Exception:  # noqa: BLE001 - any import failure (missing, or a broken llvmlite) means: use torch
     numba = None
+
+#: One kernel at a time per process: numba's fallback threading layer (workqueue, where no OpenMP or TBB is found)
+#: aborts the process when two threads launch parallel kernels at once.
+_LAUNCH = threading.Lock()
 
 #: Token chunks a head's values are summed in, side by side (partial sums added after): more chunks than threads
 #: keeps both of two cores busy on three KV heads.
@@ -99,8 +104,9 @@ def scores(qg: torch.Tensor, keys) -> torch.Tensor:
     qs = (qg.unsqueeze(2) * keys.scale.float()).reshape(b * h, groups, r, d)  # the query with each group's scales
     qz = torch.matmul(qg, keys.zero.float().squeeze(3).transpose(-1, -2)).transpose(-1, -2)  # [B, H, G, r]
     out = torch.empty(b * h, r, keys.length, dtype=torch.float32)
-    _scores(qs.numpy(), qz.reshape(b * h, groups, r).contiguous().numpy(),
-            keys.codes.reshape(b * h, -1, d).numpy(), keys.length, out.numpy())
+    with _LAUNCH:
+        _scores(qs.numpy(), qz.reshape(b * h, groups, r).contiguous().numpy(),
+                keys.codes.reshape(b * h, -1, d).numpy(), keys.length, out.numpy())
     return out.view(b, h, r, keys.length)
 
 
@@ -114,6 +120,7 @@ def values(p: torch.Tensor, vals) -> torch.Tensor:
     scale = vals.scale[:, :, :n, :, 0].float().reshape(b * h, n, cgroups)
     zero = vals.zero[:, :, :n, :, 0].float().reshape(b * h, n, cgroups)
     partial = torch.empty(b * h, VALUE_CHUNKS, r, d, dtype=torch.float32)
-    _values(p.reshape(b * h, r, n).contiguous().numpy(), scale.contiguous().numpy(), zero.contiguous().numpy(),
-            vals.codes.reshape(b * h, -1, d).numpy(), partial.numpy())
+    with _LAUNCH:
+        _values(p.reshape(b * h, r, n).contiguous().numpy(), scale.contiguous().numpy(), zero.contiguous().numpy(),
+                vals.codes.reshape(b * h, -1, d).numpy(), partial.numpy())
     return partial.sum(1).view(b, h, r, d)
