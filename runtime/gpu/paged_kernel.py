@@ -98,7 +98,8 @@ if HAS_TRITON:
         n_a = tl.load(NA + b)
         pages_a = tl.cdiv(n_a, PAGE)
         per_a = tl.cdiv(pages_a, n_split)
-        nxt = tl.load(AT + b * s_atb + pid_s * per_a, mask=pid_s * per_a < pages_a, other=0)
+        if PREFETCH:
+            nxt = tl.load(AT + b * s_atb + pid_s * per_a, mask=pid_s * per_a < pages_a, other=0)
         for i in tl.range(0, per_a):
             pi = pid_s * per_a + i
             if PREFETCH:  # the next tile's page index loads while this tile computes
@@ -128,7 +129,8 @@ if HAS_TRITON:
         n_c = tl.load(NC + b)
         pages_c = tl.cdiv(n_c, PAGE)
         per_c = tl.cdiv(pages_c, n_split)
-        nxt = tl.load(CT + b * s_ctb + pid_s * per_c, mask=pid_s * per_c < pages_c, other=0)
+        if PREFETCH:
+            nxt = tl.load(CT + b * s_ctb + pid_s * per_c, mask=pid_s * per_c < pages_c, other=0)
         for i in tl.range(0, per_c):
             pi = pid_s * per_c + i
             if PREFETCH:
