@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from docfuse.runtime.citations import record_forward
-from docfuse.runtime.kv import code_kernels
 from docfuse.runtime.kv.association import AssociationStore
 from docfuse.runtime.llama_block import causal_attention
 
@@ -76,13 +75,22 @@ def _codes_from_planes(a: torch.Tensor, bits: int) -> torch.Tensor:
     return a.transpose(-1, -2)
 
 
+def _code_kernels():
+    """:mod:`runtime.kv.code_kernels`, imported at the first 8-bit step on a CPU: numba takes 0.1-0.5 s to import,
+    which a run without a tiered cache (``kv: null``, the default) should not pay at start-up."""
+    from docfuse.runtime.kv import code_kernels
+
+    return code_kernels
+
+
 def association_scores(qg: torch.Tensor, assoc: AssociationStore) -> torch.Tensor:
     """Scaled scores ``[B, H, r, n]`` of grouped queries ``qg`` [B, H, r, D] over the association keys (8-bit keys:
-    dequantised in float32, one matmul; see the module docstring)."""
+    read in place by :mod:`runtime.kv.code_kernels` on a CPU, else dequantised in float32 for one matmul; see the
+    module docstring)."""
     keys = assoc.keys
     if keys.bits == 8:
-        if qg.device.type == "cpu" and code_kernels.available():
-            return code_kernels.scores(qg, keys)
+        if qg.device.type == "cpu" and _code_kernels().available():
+            return _code_kernels().scores(qg, keys)
         return torch.matmul(qg, keys.dequantize(torch.float32).transpose(-1, -2))
     b, h, r, d = qg.shape
     per, g = 8 // keys.bits, keys.group
@@ -97,11 +105,11 @@ def association_scores(qg: torch.Tensor, assoc: AssociationStore) -> torch.Tenso
 
 def association_values(p: torch.Tensor, assoc: AssociationStore) -> torch.Tensor:
     """``sum_t p[t] * v[t]`` [B, H, r, D] for attention weights ``p`` [B, H, r, n] over the association values
-    (8-bit values: dequantised in float32, one matmul)."""
+    (8-bit values: as the keys of :func:`association_scores`)."""
     values = assoc.values
     if values.bits == 8:
-        if p.device.type == "cpu" and code_kernels.available():
-            return code_kernels.values(p, values)
+        if p.device.type == "cpu" and _code_kernels().available():
+            return _code_kernels().values(p, values)
         return torch.matmul(p, values.dequantize(torch.float32))
     b, h, r, n = p.shape
     per, vg = 8 // values.bits, values.group
