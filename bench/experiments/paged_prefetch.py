@@ -23,7 +23,8 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from bench.experiments.sweep_paged_kernel import harness_us, per_call_us, random_pool, shuffled_tables  # noqa: E402
+from bench.experiments.sweep_paged_kernel import (  # noqa: E402
+    harness_us, in_order_tables, per_call_us, random_pool, shuffled_tables)
 
 
 def main() -> None:
@@ -37,8 +38,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     pool, n_core, n_assoc = random_pool(args.tokens, g)
     pc, pa = pool.core_total, pool.assoc_total
-    tables = {"shuffled": shuffled_tables(pc, pa),
-              "in_order": ((torch.arange(pc) + 1).int().cuda()[None], (torch.arange(pa) + 1).int().cuda()[None])}
+    tables = {"shuffled": shuffled_tables(pc, pa), "in_order": in_order_tables(pc, pa)}
     nc = torch.tensor([n_core], dtype=torch.int32, device="cuda")
     na = torch.tensor([n_assoc], dtype=torch.int32, device="cuda")
     q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)

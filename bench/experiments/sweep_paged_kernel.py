@@ -66,6 +66,11 @@ def shuffled_tables(core_pages: int, assoc_pages: int) -> tuple[torch.Tensor, to
     return core.int().cuda()[None], assoc.int().cuda()[None]
 
 
+def in_order_tables(core_pages: int, assoc_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same tables with pages 1.. in order, as a fresh pool hands them out."""
+    return (torch.arange(core_pages) + 1).int().cuda()[None], (torch.arange(assoc_pages) + 1).int().cuda()[None]
+
+
 def harness_us(q: torch.Tensor, n_core: int, n_assoc: int, group: int, g: torch.Generator, calls: int) -> float:
     """The harness kernel (``attention_kernel``) over the same token counts in contiguous tiers: us per call."""
     from docfuse.runtime.gpu import attention_kernel
