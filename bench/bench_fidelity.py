@@ -265,9 +265,10 @@ def speed(cases_dir: Path, names: list[str], docs: int, rounds: int, device: str
     rows: dict[str, list[dict]] = {n: [] for n in names}
     for _ in range(rounds):
         for name in order:
-            # NAME~nokernels: the config with runtime.kv.code_kernels off (the torch path), A/B in one process
+            # NAME~nokernels: the config with runtime.kv.code_kernels off (the torch path); NAME~split: its scores
+            # and values kernels apart (no fused step); A/B in one process
             config, _, variant = name.partition("~")
-            os.environ["DOCFUSE_CODE_KERNELS"] = "0" if variant == "nokernels" else "1"
+            os.environ["DOCFUSE_CODE_KERNELS"] = {"nokernels": "0", "split": "split"}.get(variant, "1")
             base = config_pipeline(config, device, max_new_tokens=new_tokens, ignore_eos=True)
             for case in cases:
                 pipeline = base.copy()

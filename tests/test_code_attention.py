@@ -24,7 +24,8 @@ def tiers(b: int, hkv: int, d: int, n_core: int, n_assoc: int, bits: int, seed: 
     return core_k, core_v, AssociationStore.build(k, v, bits, 32)
 
 
-@pytest.mark.parametrize("kernels", ["1", "0"])  # 8-bit tiers: the numba kernels, and the torch path without them
+# 8-bit tiers: the fused numba step, the scores and values kernels apart, and the torch path without them
+@pytest.mark.parametrize("kernels", ["1", "split", "0"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("b,hkv,rep,d,n_core,n_assoc", [
     (1, 3, 3, 64, 50, 300),   # the embedded model's heads; a partial last key group
@@ -33,7 +34,7 @@ def tiers(b: int, hkv: int, d: int, n_core: int, n_assoc: int, bits: int, seed: 
 ])
 def test_code_attention_equals_dequantise_then_attend(bits, b, hkv, rep, d, n_core, n_assoc, kernels,
                                                       monkeypatch) -> None:
-    if kernels == "0" and bits != 8:
+    if kernels != "1" and bits != 8:
         pytest.skip("only 8-bit tiers have the kernels")
     monkeypatch.setenv("DOCFUSE_CODE_KERNELS", kernels)
     core_k, core_v, assoc = tiers(b, hkv, d, n_core, n_assoc, bits)
@@ -63,18 +64,48 @@ def test_keys_and_values_at_different_bits(key_bits, value_bits) -> None:
 
 
 def test_eight_bit_tiers_are_read_by_the_code_kernels_where_numba_is(monkeypatch) -> None:
-    """numba is a dependency: on a CPU an 8-bit tier's scores and values go through ``code_kernels`` (a broken import
-    or a lost branch would fall back to the slower torch path silently; this catches it)."""
+    """numba is a dependency: on a CPU an 8-bit tier goes through ``code_kernels``' fused step (and with
+    ``DOCFUSE_CODE_KERNELS=split``, its scores and values kernels). A broken import or a lost branch would fall back
+    to the slower torch path silently; this catches it."""
     from docfuse.runtime.kv import code_kernels
 
     assert code_kernels.available(), "numba did not import: the 8-bit decode falls back to torch"
     calls = []
-    for name in ("scores", "values"):
+    for name in ("scores", "values", "step"):
         real = getattr(code_kernels, name)
         monkeypatch.setattr(code_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     core_k, core_v, assoc = tiers(1, 3, 64, 20, 100, 8)
+    for core in ((core_k, core_v), (core_k.bfloat16(), core_v.bfloat16())):
+        ca.code_attention(torch.randn(1, 9, 64), *core, 20, assoc, 0.125)
+    monkeypatch.setenv("DOCFUSE_CODE_KERNELS", "split")
     ca.code_attention(torch.randn(1, 9, 64), core_k, core_v, 20, assoc, 0.125)
-    assert calls == ["scores", "values"]
+    assert calls == ["step", "step", "scores", "values"]
+
+
+@pytest.mark.parametrize("core_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_core,n_assoc,hide", [
+    (40, 2000, 0.1),  # several chunks; fixed codes with the core's positions hidden
+    (0, 70, 0.0),     # no core at all
+    (600, 64, 1.0),   # every code hidden: whole chunks without a visible token (their maxima are -inf)
+    (5, 3000, 0.0),   # one partial key group at the end
+])
+def test_the_fused_step_equals_the_reference(core_dtype, n_core, n_assoc, hide) -> None:
+    """``code_kernels.step``: one launch for scores, a chunked softmax and values, reading a bf16 or float32 core as
+    stored and skipping hidden positions; the reference dequantises and attends in float32."""
+    from docfuse.runtime.kv import code_kernels
+
+    g = torch.Generator().manual_seed(5)
+    core_k, core_v, assoc = tiers(2, 3, 64, n_core, n_assoc, 8)
+    assoc.hidden = torch.rand(2, 3, n_assoc, generator=g) < hide
+    core_k, core_v = core_k.to(core_dtype), core_v.to(core_dtype)
+    q = torch.randn(2, 9, 64, generator=g) * 2
+    assert code_kernels.fuses(core_k, assoc)
+    k, v = assoc.dequantize(torch.float32)
+    scores = torch.cat([k, core_k[:, :, :n_core].float()], 2).repeat_interleave(3, 1) @ q.unsqueeze(-1) * 0.125
+    scores[:, :, :n_assoc].masked_fill_(assoc.hidden.repeat_interleave(3, 1).unsqueeze(-1), float("-inf"))
+    values = torch.cat([v, core_v[:, :, :n_core].float()], 2).repeat_interleave(3, 1)
+    ref = (scores.softmax(2) * values).sum(2)
+    torch.testing.assert_close(ca.code_attention(q, core_k, core_v, n_core, assoc, 0.125), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_eight_bit_decodes_from_several_threads_at_once_agree() -> None:

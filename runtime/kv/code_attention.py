@@ -140,8 +140,10 @@ def code_attention(q: torch.Tensor, core_k: torch.Tensor, core_v: torch.Tensor, 
     h = core_k.shape[1]
     r = hq // h
     qg = q.float().view(b, h, r, d) * scale
-    scores = torch.matmul(qg, core_k[:, :, :n_core].float().transpose(-1, -2))  # [B, H, r, n_core]
     n_assoc = assoc.length if assoc is not None else 0
+    if n_assoc and q.device.type == "cpu" and _code_kernels().fuses(core_k, assoc):
+        return _code_kernels().step(qg, core_k, core_v, n_core, assoc).view(b, hq, d)
+    scores = torch.matmul(qg, core_k[:, :, :n_core].float().transpose(-1, -2))  # [B, H, r, n_core]
     if n_assoc:
         codes = association_scores(qg, assoc)
         if assoc.hidden is not None:  # fixed codes: positions the core holds exactly take no weight here
