@@ -22,7 +22,20 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+    return f"{os.cpu_count()} cores ({cpu}{vector_units()}), {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def vector_units() -> str:
+    """``, AVX512-BF16`` / ``, AVX512`` / ``, AVX2`` / ``, AMX``: CPUs of one model name differ here, and bf16 speed
+    (hence the ``auto`` dtype) turns on these flags, so every CPU figure says which it ran on."""
+    try:
+        flags = set(next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return ""
+    for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return f", {name}"
+    return ""
 
 
 def corpus_pdfs() -> list[Path]:
