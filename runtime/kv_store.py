@@ -43,7 +43,8 @@ from typing import Any
 import torch
 import xxhash
 
-from docfuse.runtime.kv.background import ExactBlob, block_spans, pack_exact, reader_pool, unpack_exact
+from docfuse.runtime.kv.background import (ExactBlob, block_spans, pack_exact, reader_pool, unpack_exact,
+                                          unpack_exact_into)
 
 #: Second line of the file format: 2 checks entries with XXH3-128 (1: SHA-256, ten times slower to verify, a tenth
 #: of a second a 6K-token entry; such entries are left unused and go with ``docfuse kv-store prune`` or ``clear``).
@@ -339,18 +340,40 @@ def fill_tiered(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]], devic
         raise ValueError(f"{len(blocks)} stored blocks do not split over {len(layers)} layers")
     per = len(blocks) // len(layers)
     pool = reader_pool()  # LZ4 and numpy release the GIL: on enough cores the blocks unpack side by side
-    blobs = [blob for pair in blocks for blob in pair]
-    unpack = functools.partial(unpack_exact, device=device)  # on a GPU the planes interleave there
-    tensors = list(pool.map(unpack, blobs) if pool is not None else map(unpack, blobs))
-    for i, layer in enumerate(layers):
-        keys, values = tensors[2 * i * per: 2 * (i + 1) * per: 2], tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
-        layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
+    if torch.device(device).type == "cpu":  # each block straight into its layer's K/V: no per-block temporaries
+        for i, layer in enumerate(layers):
+            layer.store(*_unpacked_layer(blocks[i * per: (i + 1) * per], pool))
+    else:
+        blobs = [blob for pair in blocks for blob in pair]
+        unpack = functools.partial(unpack_exact, device=device)  # on a GPU the planes interleave there
+        tensors = list(pool.map(unpack, blobs) if pool is not None else map(unpack, blobs))
+        for i, layer in enumerate(layers):
+            keys, values = tensors[2 * i * per: 2 * (i + 1) * per: 2], tensors[2 * i * per + 1: 2 * (i + 1) * per: 2]
+            layer.store(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
     if len({layer.length for layer in layers}) != 1:
         raise ValueError("the stored layers hold different numbers of tokens")
     if adopt and not adopt_archives(cache, blocks):
         raise ValueError("the stored blocks are not the archive's cut of the positions they hold")
     cache.peak_device = cache.device_bytes()
     return cache
+
+
+def _unpacked_layer(pairs: Sequence[tuple[ExactBlob, ExactBlob]], pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys and values [B, H, T, D] on the host from its blocks in position order, each block unpacked
+    into its own span (``unpack_exact_into``)."""
+    out = []
+    for side in (0, 1):
+        first = pairs[0][side]
+        shape = list(first.shape)
+        shape[2] = sum(pair[side].shape[2] for pair in pairs)
+        out.append(torch.empty(shape, dtype=first.dtype))
+    jobs, at = [], 0
+    for k, v in pairs:
+        jobs += [(k, out[0][:, :, at: at + k.shape[2]]), (v, out[1][:, :, at: at + v.shape[2]])]
+        at += k.shape[2]
+    run = lambda job: unpack_exact_into(*job)  # noqa: E731
+    list(pool.map(run, jobs) if pool is not None else map(run, jobs))
+    return out[0], out[1]
 
 
 def adopt_archives(cache: Any, blocks: Sequence[tuple[ExactBlob, ExactBlob]]) -> bool:

@@ -89,6 +89,30 @@ def test_the_gpu_shuffle_makes_the_hosts_planes_and_undoes_them(dtype: torch.dty
     assert back.dtype == dtype and torch.equal(back.view(int_type), x.contiguous().view(int_type))
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"])  # the numba pass, and three copies without it
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_block_unpacks_into_a_slice_of_the_cache_bit_for_bit(dtype, kernels, monkeypatch) -> None:
+    """``unpack_exact_into`` (a question's exact read, a KV store load) writes a block straight into the cache's
+    K/V at its positions: the same bytes as ``unpack_exact``, neighbours untouched, inside inference mode too."""
+    from docfuse.runtime.kv import plane_kernels
+    from docfuse.runtime.kv.background import unpack_exact_into
+
+    monkeypatch.setenv("DOCFUSE_CODE_KERNELS", kernels)
+    x = (torch.randn(2, 3, 77, 64) * 5).to(dtype)
+    x[1, 2, 3, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40]).to(dtype)
+    blob = pack_exact(x)
+    int_type = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    with torch.inference_mode():
+        cache = torch.zeros(2, 3, 200, 64, dtype=dtype)
+        assert plane_kernels.takes(cache[:, :, 50:127]) == (kernels == "1")
+        unpack_exact_into(blob, cache[:, :, 50:127])
+    assert torch.equal(cache[:, :, 50:127].view(int_type), x.view(int_type))
+    assert torch.equal(cache[:, :, 50:127].view(int_type), unpack_exact(blob).view(int_type))
+    assert not cache[:, :, :50].any() and not cache[:, :, 127:].any()
+    with pytest.raises(ValueError, match="the block holds"):
+        unpack_exact_into(blob, cache[:, :, 50:128])
+
+
 def _raw_planes(blob) -> list[bytes]:
     import lz4.block
 

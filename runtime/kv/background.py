@@ -141,6 +141,27 @@ def unpack_exact(blob: ExactBlob, device: torch.device | str | None = None) -> t
     return ints.transpose(-1, -2).contiguous().view(blob.dtype)  # torch's transposing copy: ~1.6x numpy's here
 
 
+def _plane_kernels():
+    """:mod:`runtime.kv.plane_kernels`, imported at the first block read into a cache (numba's import cost)."""
+    from docfuse.runtime.kv import plane_kernels
+
+    return plane_kernels
+
+
+def unpack_exact_into(blob: ExactBlob, out: torch.Tensor) -> torch.Tensor:
+    """Decompress an :class:`ExactBlob` into ``out`` (a CPU tensor of the blob's shape and dtype; a slice of a cache
+    is fine): one pass of :mod:`runtime.kv.plane_kernels` where it takes ``out``, else ``out.copy_(unpack_exact)``.
+    Same bytes either way."""
+    if tuple(out.shape) != tuple(blob.shape) or out.dtype != blob.dtype:
+        raise ValueError(f"the block holds {blob.dtype} {tuple(blob.shape)}, not {out.dtype} {tuple(out.shape)}")
+    kernels = _plane_kernels()
+    if not kernels.takes(out) or len(blob.planes) != out.element_size():
+        return out.copy_(unpack_exact(blob))
+    raw = [lz4.block.decompress(memoryview(p)[1:]) if p[:1] == _LZ4 else memoryview(p)[1:] for p in blob.planes]
+    kernels.interleave_into(raw, out)
+    return out
+
+
 _READERS: list[ThreadPoolExecutor | None] = []  # the process's reader pool, once made (None: the caller's thread)
 _READERS_LOCK = threading.Lock()
 
@@ -173,6 +194,9 @@ def read_blocks_into(archive: Any, indices: list[int], keys: torch.Tensor, value
     inference = torch.is_inference_mode_enabled()  # thread-local: the readers write as the caller would
 
     def put(index: int) -> tuple[int, int]:
+        if hasattr(archive, "read_into") and keys.device.type == "cpu" and values.device.type == "cpu":
+            with torch.inference_mode(inference), torch.no_grad():
+                return archive.read_into(index, keys, values)  # one pass a block, no temporaries
         start, end, k, v = archive.read(index)
         with torch.inference_mode(inference), torch.no_grad():
             keys[:, :, start:end].copy_(k)
@@ -266,6 +290,15 @@ class ExactArchive:
         """Block ``index`` as ``(start, end, keys, values)``."""
         block = self.blocks[index]
         return block.start, block.end, unpack_exact(block.keys), unpack_exact(block.values)
+
+    def read_into(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+        """Block ``index`` written into ``keys``/``values`` [B, H, >= end, D] at its positions (CPU; no block-sized
+        temporaries where :mod:`runtime.kv.plane_kernels` runs); returns its ``(start, end)``."""
+        block = self.blocks[index]
+        with torch.no_grad():
+            unpack_exact_into(block.keys, keys[:, :, block.start: block.end])
+            unpack_exact_into(block.values, values[:, :, block.start: block.end])
+        return block.start, block.end
 
     def block_of(self, positions: torch.Tensor) -> torch.Tensor:
         """Block index of each position (all must be archived)."""
