@@ -34,7 +34,7 @@ demo: setup
 	$(VENV)/bin/docfuse ask data/sample.pdf "What is the monthly fee, and when is it due?"
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 # the engine, stages and schemas without the real model, Ray or the CLI end to end: under a minute on 2 cores
 test-fast: setup
