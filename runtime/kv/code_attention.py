@@ -26,7 +26,8 @@ association tokens: keys 644 us folded against ~200 dequantised (plus one matmul
 8-bit tier (keys or values, each on its own) is dequantised into float32 and attended with one matmul: exactly the
 reference's arithmetic. (Dequantising into bf16 instead takes 8 ms there: bf16 elementwise maths is slow on CPUs.)
 Where numba is installed (a dependency) an 8-bit tier skips even that copy: :mod:`runtime.kv.code_kernels` reads
-the codes in place with the scales folded as above (keys ~130-190 us, values ~230 on the same layer).
+the codes in place with the scales folded as above (keys ~130-190 us, values ~230 on the same layer), and its
+``step`` takes the whole one-token attention (codes, exact core, softmax) in one launch (:func:`code_attention`).
 """
 
 from __future__ import annotations
