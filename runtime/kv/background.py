@@ -122,11 +122,16 @@ def byte_planes(k: torch.Tensor, v: torch.Tensor, block: int) -> list[tuple[int,
     return out
 
 
+def _raw_planes(blob: ExactBlob) -> list[bytes | memoryview]:
+    """The blob's planes as raw bytes: LZ4 ones decompressed, raw ones as views past their tag (no copy)."""
+    return [lz4.block.decompress(memoryview(p)[1:]) if p[:1] == _LZ4 else memoryview(p)[1:] for p in blob.planes]
+
+
 def unpack_exact(blob: ExactBlob, device: torch.device | str | None = None) -> torch.Tensor:
     """Decompress an :class:`ExactBlob` back into the identical tensor: on the CPU, or on ``device`` (a GPU: the
     planes go over as they are and are interleaved there, :func:`tensor_of_planes`, instead of by the host)."""
     size = len(blob.planes)
-    raw = [lz4.block.decompress(p[1:]) if p[:1] == _LZ4 else p[1:] for p in blob.planes]
+    raw = _raw_planes(blob)
     if device is not None and torch.device(device).type != "cpu":
         planes = np.empty((size, len(raw[0])), dtype=np.uint8)
         for i, plane in enumerate(raw):
@@ -157,8 +162,7 @@ def unpack_exact_into(blob: ExactBlob, out: torch.Tensor) -> torch.Tensor:
     kernels = _plane_kernels()
     if not kernels.takes(out) or len(blob.planes) != out.element_size():
         return out.copy_(unpack_exact(blob))
-    raw = [lz4.block.decompress(memoryview(p)[1:]) if p[:1] == _LZ4 else memoryview(p)[1:] for p in blob.planes]
-    kernels.interleave_into(raw, out)
+    kernels.interleave_into(_raw_planes(blob), out)
     return out
 
 

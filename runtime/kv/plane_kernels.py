@@ -12,23 +12,14 @@ numba is imported on first use (``runtime.kv.code_kernels`` pays the same import
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-try:  # pragma: no cover - exercised where numba is missing
+# one switch for both modules: whether numba imports and ``DOCFUSE_CODE_KERNELS`` is not ``0``
+from docfuse.runtime.kv.code_kernels import available, numba
+
+if numba is not None:
     from numba import njit
-except Exception:  # noqa: BLE001 - missing, or a broken llvmlite: the numpy path
-    njit = None
-
-
-def available() -> bool:
-    """Whether :func:`interleave_into` can run here (numba imports, ``DOCFUSE_CODE_KERNELS`` is not ``0``)."""
-    return njit is not None and os.environ.get("DOCFUSE_CODE_KERNELS", "1") != "0"
-
-
-if njit is not None:
 
     @njit(nogil=True, cache=True)
     def _words4(p0, p1, p2, p3, dst, dim, tokens):  # pragma: no cover - compiled
