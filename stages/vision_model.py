@@ -8,7 +8,9 @@ resampling position embeddings silently would hand a trained fusion features it 
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,7 +63,66 @@ def as_args(model_args: dict[str, Any] | None) -> Args:
 
 @functools.lru_cache(maxsize=32)
 def geometry(model: str, image_size: tuple[int, int], args: Args = ()) -> Geometry:
-    """Patch grid and width of ``model`` at ``image_size``, from a weightless (meta-device) copy."""
+    """Patch grid and width of ``model`` at ``image_size``, from a weightless (meta-device) copy, remembered on
+    disk (``GEOMETRY_MEMO`` under docfuse's home) per timm version: importing timm and torchvision costs ~2.5 s
+    of every run on two cores, and a pipeline's schema needs the geometry even when its vision stages do not run."""
+    key = _memo_key(model, image_size, args)
+    known = _read_memo().get(key)
+    if known is not None:
+        try:
+            return Geometry(patch_size=tuple(known["patch_size"]), rows=int(known["rows"]), cols=int(known["cols"]),
+                            dim=int(known["dim"]), prefix_tokens=int(known["prefix_tokens"]))
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged record: measured again below and rewritten
+    geo = _measure(model, image_size, args)
+    _remember(key, geo)
+    return geo
+
+
+GEOMETRY_MEMO = "vit_geometry.json"
+
+
+def _memo_path() -> Path:
+    from docfuse.runtime.loading import docfuse_home
+
+    return docfuse_home() / GEOMETRY_MEMO
+
+
+def _memo_key(model: str, image_size: tuple[int, int], args: Args) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        timm_version = version("timm")
+    except PackageNotFoundError:
+        timm_version = "none"
+    return json.dumps([timm_version, model, [int(v) for v in image_size], [[k, repr(v)] for k, v in args]])
+
+
+def _read_memo() -> dict[str, Any]:
+    try:
+        memo = json.loads(_memo_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _remember(key: str, geo: Geometry) -> None:
+    """Adds ``geo`` to the memo (a temporary file renamed over it: readers never see half a file); a home that
+    cannot be written only costs the next run the measurement."""
+    path = _memo_path()
+    memo = _read_memo()
+    memo[key] = {"patch_size": list(geo.patch_size), "rows": geo.rows, "cols": geo.cols, "dim": geo.dim,
+                 "prefix_tokens": geo.prefix_tokens}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _measure(model: str, image_size: tuple[int, int], args: Args) -> Geometry:
     patch = _patch_size(model, args)
     height, width = image_size
     if height % patch[0] or width % patch[1] or height <= 0 or width <= 0:

@@ -379,3 +379,42 @@ def test_pages_prepared_in_threads_come_out_in_row_order(stage, pages) -> None:
     for i, alone in enumerate(one_by_one):
         for column in ("patch_features", "patch_boxes", "patch_ink"):
             assert together.column(column)[i].equals(alone.column(column)[0]), (i, column)
+
+
+def test_vit_geometry_is_remembered_on_disk_and_a_later_process_needs_no_timm(tmp_path, monkeypatch) -> None:
+    """A pipeline's schema needs the ViT's patch grid even when its vision stages do not run; measuring it imports
+    timm (and torchvision), ~2.5 s of a cached `docfuse ask`. The memo answers later processes without them, and a
+    damaged memo is measured again, never trusted."""
+    import json
+    import subprocess
+    import sys
+
+    from docfuse.stages import vision_model
+
+    monkeypatch.setenv("DOCFUSE_HOME", str(tmp_path))
+    vision_model.geometry.cache_clear()
+    args = vision_model.as_args({"depth": 1, "embed_dim": 32, "num_heads": 2})
+    measured = vision_model.geometry("vit_tiny_patch16_224", (64, 96), args)
+    assert (measured.rows, measured.cols, measured.dim) == (4, 6, 32)
+    memo_file = tmp_path / vision_model.GEOMETRY_MEMO
+    assert len(json.loads(memo_file.read_text())) == 1
+
+    probe = ("import sys\nfrom docfuse.stages import vision_model as v\n"
+             "g = v.geometry('vit_tiny_patch16_224', (64, 96), v.as_args({'depth': 1, 'embed_dim': 32, 'num_heads': 2}))\n"
+             "print(g.rows, g.cols, g.dim, g.prefix_tokens, 'timm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "DOCFUSE_HOME": str(tmp_path)}).stdout.split()
+    assert out == ["4", "6", "32", str(measured.prefix_tokens), "False"]
+
+    memo = json.loads(memo_file.read_text())
+    memo[next(iter(memo))]["rows"] = "not a number"
+    memo_file.write_text(json.dumps(memo))
+    vision_model.geometry.cache_clear()
+    assert vision_model.geometry("vit_tiny_patch16_224", (64, 96), args) == measured
+    assert json.loads(memo_file.read_text())[next(iter(memo))]["rows"] == 4
+    memo_file.write_text("{ torn")
+    vision_model.geometry.cache_clear()
+    assert vision_model.geometry("vit_tiny_patch16_224", (64, 96), args) == measured
+    with pytest.raises(ValueError, match="multiples"):  # a size the memo never saw is still checked
+        vision_model.geometry("vit_tiny_patch16_224", (65, 96), args)
+    vision_model.geometry.cache_clear()
