@@ -253,6 +253,23 @@ def ask(
     raise typer.Exit(report.exit_code)
 
 
+@app.command()
+def serve(
+    idle_minutes: Annotated[float, typer.Option(min=0, help="Stop after this many minutes without a question "
+                                                            "(0: never).")] = 30.0,
+    pipeline: Annotated[str, typer.Option(help="Pipeline whose stages are set up at start (its answer stage loads "
+                                                "the model then).")] = "pdf_qa",
+) -> None:
+    """Keep the model loaded and answer `docfuse ask` from any folder of this user, so that a question costs its
+    answer, not seconds of start-up. Ctrl-C stops it; DOCFUSE_SERVER=0 makes one `ask` run by itself."""
+    from docfuse.pipelines.ask_server import serve as run_server
+
+    try:
+        run_server(idle_minutes, pipeline)
+    except RuntimeError as exc:
+        fail(str(exc))
+
+
 #: What ``ask`` shows on a terminal while a stage of the QA pipelines starts (others: "name (kind)").
 _STAGE_WORDS = {"pdf.open": "opening the document", "pdf.text": "reading its text (OCR for scanned pages)",
                 "text.pages": "reading the text", "pdf.render": "rendering its pages",

@@ -10,10 +10,15 @@ end is marked ``@pytest.mark.slow``; two guards here keep the fast lane honest:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 from transformers import PreTrainedModel
+
+# a `docfuse serve` the developer keeps running must not answer the suite's `docfuse ask` subprocesses (it runs the
+# code it started with); tests of the server name their own socket and drop this
+os.environ["DOCFUSE_SERVER"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,165 @@
+"""``docfuse serve``: one process that keeps the model loaded and answers ``docfuse ask`` for its user's terminals.
+
+A repeated question about a document is cheap once its KV cache is stored (issue 24), but every ``docfuse ask``
+process still imports torch and transformers and loads the model: about 5-6 s of a second question's ~8 s on two
+cores. The server pays that once. Clients (pipelines/launcher.py) send the command line, their working directory and
+whether their stdout and stderr are terminals; the server runs the very ``ask`` command of pipelines/cli.py with
+``sys.stdout``/``sys.stderr`` replaced by streams that forward each write, then sends the exit code. One question at
+a time: others wait in the socket's queue. The server's own environment applies (``DOCFUSE_THREADS`` and the like);
+output that native libraries write to file descriptors directly stays on the server's terminal.
+
+The socket is ``$DOCFUSE_HOME/ask.sock``, mode 0600 (only its user can connect); the server takes no command other
+than ``ask``, and leaves (removing the socket) after ``idle_minutes`` without a question or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from docfuse.pipelines.launcher import installed_version, socket_path
+
+
+class _Forward(io.TextIOBase):
+    """A text stream whose writes go to the client as ``{key: text}`` lines; ``isatty`` is the client's answer, so
+    ``ask`` streams tokens and progress exactly when the client's own stream is a terminal."""
+
+    def __init__(self, wire: Any, key: str, tty: bool) -> None:
+        self._wire, self._key, self._tty = wire, key, tty
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._tty
+
+    def write(self, text: str | bytes) -> int:  # click's echo may hand over bytes
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        if text:
+            self._wire.write(json.dumps({self._key: text}).encode() + b"\n")
+            self._wire.flush()
+        return len(text)
+
+
+def _listen(path: Path) -> socket.socket:
+    """Bind the socket, replacing a file left by a server that died; refuse if a live server answers there."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()
+        else:
+            probe.close()
+            raise RuntimeError(f"a docfuse server already listens on {path}; stop it (Ctrl-C where it runs) or use it")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket file is created 0600
+    try:
+        server.bind(str(path))
+    finally:
+        os.umask(old)
+    server.listen(16)
+    return server
+
+
+def _answer(conn: socket.socket) -> None:
+    """One client: read its request, run ``ask`` with its streams and folder, send the exit code."""
+    from rich.console import Console
+
+    from docfuse.pipelines import cli, console
+
+    with conn.makefile("rwb") as wire:
+        line = wire.readline()
+        if not line:
+            return
+        request = json.loads(line)
+        argv = list(request.get("argv") or [])
+        if request.get("version") != installed_version() or argv[:1] != ["ask"]:
+            wire.write(json.dumps({"refused": "another docfuse version or command"}).encode() + b"\n")
+            wire.flush()
+            return
+        saved = sys.stdout, sys.stderr, os.getcwd(), console.err
+        code: Any = 1
+        started = time.perf_counter()
+        try:
+            os.chdir(request["cwd"])
+            sys.stdout = _Forward(wire, "o", bool(request.get("tty_out")))
+            sys.stderr = _Forward(wire, "e", bool(request.get("tty_err")))
+            # rich picks colours when a console is made: one made for this client's stderr, not the server's
+            console.err = cli.err = Console(stderr=True, force_terminal=bool(request.get("tty_err")))
+            try:
+                cli.app(args=argv, prog_name="docfuse")
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Exception:  # noqa: BLE001 - the client sees the traceback a local run would print
+                traceback.print_exc()
+                code = 1
+        finally:
+            sys.stdout, sys.stderr = saved[0], saved[1]
+            console.err = cli.err = saved[3]
+            os.chdir(saved[2])
+        print(f"docfuse server: {' '.join(argv[:2])} ... exit {code} in {time.perf_counter() - started:.1f} s",
+              file=sys.stderr, flush=True)
+        try:
+            wire.write(json.dumps({"exit": code}).encode() + b"\n")
+            wire.flush()
+        except OSError:
+            pass  # the client left (Ctrl-C): nothing to tell it
+
+
+def warm_up(pipeline: str = "pdf_qa") -> None:
+    """Set up the stages ``pipeline`` runs, as ``ask`` will (the answer stage imports the decode stack and loads its
+    model, which stays loaded for the process), so the first question is as quick as the later ones."""
+    from docfuse.pipelines.cli import load_pipeline
+    from docfuse.pipelines.planning import make_plan
+    from docfuse.pipelines.validate import check
+
+    pipe = load_pipeline(pipeline, None)
+    checked = check(pipe)
+    if checked.problems:
+        raise RuntimeError(f"pipeline {pipeline!r} is invalid ({checked.problems[0]}); `docfuse validate {pipeline}` "
+                           "lists every problem")
+    for name in make_plan(pipe, checked.graph, checked.instances).order:
+        checked.instances[name].setup()
+
+
+def serve(idle_minutes: float = 30.0, pipeline: str | None = "pdf_qa") -> None:
+    """Answer ``ask`` requests until ``idle_minutes`` pass without one (0: never idle out)."""
+    path = socket_path()
+    server = _listen(path)
+    started = time.perf_counter()
+    try:
+        if pipeline:
+            warm_up(pipeline)
+        print(f"docfuse server listening on {path} (ready in {time.perf_counter() - started:.1f} s); "
+              f"`docfuse ask` from any folder now uses it. Ctrl-C stops it"
+              + (f"; it stops by itself after {idle_minutes:g} min without a question." if idle_minutes else "."),
+              file=sys.stderr, flush=True)
+        server.settimeout(idle_minutes * 60 if idle_minutes else None)
+        while True:
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                print(f"docfuse server: {idle_minutes:g} min without a question; stopping", file=sys.stderr)
+                return
+            with conn:
+                conn.settimeout(None)
+                try:
+                    _answer(conn)
+                except (OSError, ValueError) as exc:  # a client that vanished or sent garbage: the next one is served
+                    print(f"docfuse server: a request failed ({exc})", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        path.unlink(missing_ok=True)

@@ -1,0 +1,85 @@
+"""The ``docfuse`` console entry: hands ``docfuse ask`` to a running ``docfuse serve`` when there is one, else runs
+the command in this process.
+
+Why a module of its own: a ``docfuse ask`` that finds a server must not import torch, transformers or pyarrow (about
+5 s on two cores, most of a repeated question's wall time); this module imports only the standard library. The
+server (pipelines/ask_server.py) runs the same ``ask`` command, so answers, exit codes and output are the same.
+``DOCFUSE_SERVER=0`` always runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+#: The socket's name in docfuse's home (``$DOCFUSE_HOME``, default ``~/.cache/docfuse``).
+SOCKET_NAME = "ask.sock"
+#: Seconds a client waits for the server to accept before it runs the question itself.
+CONNECT_TIMEOUT_S = 2.0
+
+
+def socket_path() -> Path:
+    """Where ``docfuse serve`` listens: one per user and docfuse home, whatever folder ``ask`` runs in
+    (``DOCFUSE_SERVER_SOCKET`` names another file: a second server beside the first, or a test's own)."""
+    if os.environ.get("DOCFUSE_SERVER_SOCKET"):
+        return Path(os.environ["DOCFUSE_SERVER_SOCKET"]).expanduser()
+    home = os.environ.get("DOCFUSE_HOME") or Path.home() / ".cache" / "docfuse"
+    return Path(home).expanduser() / SOCKET_NAME
+
+
+def installed_version() -> str:
+    """The docfuse version a client and a server must share (a server left running across an upgrade is not used)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("docfuse")
+    except PackageNotFoundError:
+        return "source"
+
+
+def ask_through_server(argv: list[str]) -> int | None:
+    """Send ``docfuse ask ...`` (``argv`` without the program name) to the server and relay its output; the exit
+    code, or None when no usable server answered (the caller then runs the command itself)."""
+    path = socket_path()
+    if os.environ.get("DOCFUSE_SERVER") == "0" or not path.exists():
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        conn.connect(str(path))
+    except OSError:  # a socket left by a server that died: ask runs here, `docfuse serve` replaces the file
+        conn.close()
+        return None
+    conn.settimeout(None)  # a question takes as long as its prefill and answer
+    request = {"argv": argv, "cwd": os.getcwd(), "version": installed_version(),
+               "tty_out": sys.stdout.isatty(), "tty_err": sys.stderr.isatty()}
+    with conn, conn.makefile("rwb") as wire:
+        wire.write(json.dumps(request).encode() + b"\n")
+        wire.flush()
+        for line in wire:
+            message = json.loads(line)
+            if "o" in message:
+                sys.stdout.write(message["o"])
+                sys.stdout.flush()
+            elif "e" in message:
+                sys.stderr.write(message["e"])
+                sys.stderr.flush()
+            elif "refused" in message:
+                return None
+            elif "exit" in message:
+                return int(message["exit"])
+    return None  # the server went away mid-answer: nothing was decided, run here
+
+
+def main() -> None:  # pragma: no cover - console entry, exercised through subprocesses in tests
+    argv = sys.argv[1:]
+    if argv[:1] == ["ask"] and not {"-h", "--help"} & set(argv):
+        code = ask_through_server(argv)
+        if code is not None:
+            sys.exit(code)
+    from docfuse.pipelines.cli import main as run_here
+
+    run_here()
