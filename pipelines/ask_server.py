@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -31,8 +32,8 @@ class _Forward(io.TextIOBase):
     """A text stream whose writes go to the client as ``{key: text}`` lines; ``isatty`` is the client's answer, so
     ``ask`` streams tokens and progress exactly when the client's own stream is a terminal."""
 
-    def __init__(self, wire: Any, key: str, tty: bool) -> None:
-        self._wire, self._key, self._tty = wire, key, tty
+    def __init__(self, wire: Any, key: str, tty: bool, lock: threading.Lock) -> None:
+        self._wire, self._key, self._tty, self._lock = wire, key, tty, lock  # progress bars write from threads
 
     def writable(self) -> bool:
         return True
@@ -44,8 +45,9 @@ class _Forward(io.TextIOBase):
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
         if text:
-            self._wire.write(json.dumps({self._key: text}).encode() + b"\n")
-            self._wire.flush()
+            with self._lock:
+                self._wire.write(json.dumps({self._key: text}).encode() + b"\n")
+                self._wire.flush()
         return len(text)
 
 
@@ -92,8 +94,9 @@ def _answer(conn: socket.socket) -> None:
         started = time.perf_counter()
         try:
             os.chdir(request["cwd"])
-            sys.stdout = _Forward(wire, "o", bool(request.get("tty_out")))
-            sys.stderr = _Forward(wire, "e", bool(request.get("tty_err")))
+            lock = threading.Lock()
+            sys.stdout = _Forward(wire, "o", bool(request.get("tty_out")), lock)
+            sys.stderr = _Forward(wire, "e", bool(request.get("tty_err")), lock)
             # rich picks colours when a console is made: one made for this client's stderr, not the server's
             console.err = cli.err = Console(stderr=True, force_terminal=bool(request.get("tty_err")))
             try:
