@@ -22,10 +22,34 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from docfuse.pipelines.launcher import installed_version, socket_path
+
+#: The socket's name in docfuse's home (``$DOCFUSE_HOME``, default ``~/.cache/docfuse``).
+SOCKET_NAME = "ask.sock"
+#: Seconds a client waits for the server to accept before it runs the question itself.
+CONNECT_TIMEOUT_S = 2.0
+
+
+def socket_path() -> Path:
+    """Where ``docfuse serve`` listens: one per user and docfuse home, whatever folder ``ask`` runs in
+    (``DOCFUSE_SERVER_SOCKET`` names another file: a second server beside the first, or a test's own)."""
+    if os.environ.get("DOCFUSE_SERVER_SOCKET"):
+        return Path(os.environ["DOCFUSE_SERVER_SOCKET"]).expanduser()
+    home = os.environ.get("DOCFUSE_HOME") or Path.home() / ".cache" / "docfuse"
+    return Path(home).expanduser() / SOCKET_NAME
+
+
+def installed_version() -> str:
+    """The docfuse version a client and a server must share (a server left running across an upgrade is not used)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("docfuse")
+    except PackageNotFoundError:
+        return "source"
 
 
 class _Forward(io.TextIOBase):
@@ -73,11 +97,9 @@ def _listen(path: Path) -> socket.socket:
     return server
 
 
-def _answer(conn: socket.socket) -> None:
+def _answer(conn: socket.socket, app: Callable[..., Any]) -> None:
     """One client: read its request, run ``ask`` with its streams and folder, send the exit code."""
-    from rich.console import Console
-
-    from docfuse.pipelines import cli, console
+    from docfuse.pipelines import console
 
     with conn.makefile("rwb") as wire:
         line = wire.readline()
@@ -89,7 +111,7 @@ def _answer(conn: socket.socket) -> None:
             wire.write(json.dumps({"refused": "another docfuse version or command"}).encode() + b"\n")
             wire.flush()
             return
-        saved = sys.stdout, sys.stderr, os.getcwd(), console.err
+        saved = sys.stdout, sys.stderr, os.getcwd()
         code: Any = 1
         started = time.perf_counter()
         try:
@@ -97,10 +119,11 @@ def _answer(conn: socket.socket) -> None:
             lock = threading.Lock()
             sys.stdout = _Forward(wire, "o", bool(request.get("tty_out")), lock)
             sys.stderr = _Forward(wire, "e", bool(request.get("tty_err")), lock)
-            # rich picks colours when a console is made: one made for this client's stderr, not the server's
-            console.err = cli.err = Console(stderr=True, force_terminal=bool(request.get("tty_err")))
+            # rich picks colours when a console is made: the shared one is made again, in place (every module holds
+            # it by name), for this client's stderr, then for the server's
+            console.err.__init__(stderr=True, force_terminal=bool(request.get("tty_err")))
             try:
-                cli.app(args=argv, prog_name="docfuse")
+                app(args=argv, prog_name="docfuse")
                 code = 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -109,7 +132,7 @@ def _answer(conn: socket.socket) -> None:
                 code = 1
         finally:
             sys.stdout, sys.stderr = saved[0], saved[1]
-            console.err = cli.err = saved[3]
+            console.err.__init__(stderr=True)
             os.chdir(saved[2])
         print(f"docfuse server: {' '.join(argv[:2])} ... exit {code} in {time.perf_counter() - started:.1f} s",
               file=sys.stderr, flush=True)
@@ -120,14 +143,13 @@ def _answer(conn: socket.socket) -> None:
             pass  # the client left (Ctrl-C): nothing to tell it
 
 
-def warm_up(pipeline: str = "pdf_qa") -> None:
-    """Set up the stages ``pipeline`` runs, as ``ask`` will (the answer stage imports the decode stack and loads its
-    model, which stays loaded for the process), so the first question is as quick as the later ones."""
-    from docfuse.pipelines.cli import load_pipeline
+def warm_up(pipe: Any) -> None:
+    """Set up the stages the pipeline ``pipe`` runs, as ``ask`` will (the answer stage imports the decode stack and
+    loads its model, which stays loaded for the process), so the first question is as quick as the later ones."""
     from docfuse.pipelines.planning import make_plan
     from docfuse.pipelines.validate import check
 
-    pipe = load_pipeline(pipeline, None)
+    pipeline = pipe.name
     checked = check(pipe)
     if checked.problems:
         raise RuntimeError(f"pipeline {pipeline!r} is invalid ({checked.problems[0]}); `docfuse validate {pipeline}` "
@@ -136,14 +158,15 @@ def warm_up(pipeline: str = "pdf_qa") -> None:
         checked.instances[name].setup()
 
 
-def serve(idle_minutes: float = 30.0, pipeline: str | None = "pdf_qa") -> None:
-    """Answer ``ask`` requests until ``idle_minutes`` pass without one (0: never idle out)."""
+def serve(app: Callable[..., Any], idle_minutes: float = 30.0, warm: Any = None) -> None:
+    """Run ``app`` (the ``docfuse`` command line, handed over by its ``serve`` command) for each ``ask`` request
+    until ``idle_minutes`` pass without one (0: never idle out); ``warm``: a pipeline to set up first."""
     path = socket_path()
     server = _listen(path)
     started = time.perf_counter()
     try:
-        if pipeline:
-            warm_up(pipeline)
+        if warm is not None:
+            warm_up(warm)
         print(f"docfuse server listening on {path} (ready in {time.perf_counter() - started:.1f} s); "
               f"`docfuse ask` from any folder now uses it. Ctrl-C stops it"
               + (f"; it stops by itself after {idle_minutes:g} min without a question." if idle_minutes else "."),
@@ -158,7 +181,7 @@ def serve(idle_minutes: float = 30.0, pipeline: str | None = "pdf_qa") -> None:
             with conn:
                 conn.settimeout(None)
                 try:
-                    _answer(conn)
+                    _answer(conn, app)
                 except (OSError, ValueError) as exc:  # a client that vanished or sent garbage: the next one is served
                     print(f"docfuse server: a request failed ({exc})", file=sys.stderr)
     except KeyboardInterrupt:

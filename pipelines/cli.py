@@ -265,7 +265,7 @@ def serve(
     from docfuse.pipelines.ask_server import serve as run_server
 
     try:
-        run_server(idle_minutes, pipeline)
+        run_server(app, idle_minutes, load_pipeline(pipeline, None))
     except RuntimeError as exc:
         fail(str(exc))
 

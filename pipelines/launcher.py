@@ -2,7 +2,7 @@
 the command in this process.
 
 Why a module of its own: a ``docfuse ask`` that finds a server must not import torch, transformers or pyarrow (about
-5 s on two cores, most of a repeated question's wall time); this module imports only the standard library. The
+5 s on two cores, most of a repeated question's wall time); this module and ask_server's top level import only the standard library. The
 server (pipelines/ask_server.py) runs the same ``ask`` command, so answers, exit codes and output are the same.
 ``DOCFUSE_SERVER=0`` always runs here.
 """
@@ -13,31 +13,8 @@ import json
 import os
 import socket
 import sys
-from pathlib import Path
 
-#: The socket's name in docfuse's home (``$DOCFUSE_HOME``, default ``~/.cache/docfuse``).
-SOCKET_NAME = "ask.sock"
-#: Seconds a client waits for the server to accept before it runs the question itself.
-CONNECT_TIMEOUT_S = 2.0
-
-
-def socket_path() -> Path:
-    """Where ``docfuse serve`` listens: one per user and docfuse home, whatever folder ``ask`` runs in
-    (``DOCFUSE_SERVER_SOCKET`` names another file: a second server beside the first, or a test's own)."""
-    if os.environ.get("DOCFUSE_SERVER_SOCKET"):
-        return Path(os.environ["DOCFUSE_SERVER_SOCKET"]).expanduser()
-    home = os.environ.get("DOCFUSE_HOME") or Path.home() / ".cache" / "docfuse"
-    return Path(home).expanduser() / SOCKET_NAME
-
-
-def installed_version() -> str:
-    """The docfuse version a client and a server must share (a server left running across an upgrade is not used)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("docfuse")
-    except PackageNotFoundError:
-        return "source"
+from docfuse.pipelines.ask_server import CONNECT_TIMEOUT_S, installed_version, socket_path
 
 
 def ask_through_server(argv: list[str]) -> int | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from docfuse.pipelines import ask_server, launcher
+from docfuse.pipelines import ask_server, cli, launcher
 
 DOCFUSE = Path(sys.executable).parent / "docfuse"
 DOCUMENT = ("Service Agreement\n\nThe Provider is Calder Freight GmbH of Hamburg. The Client pays a monthly fee of "
@@ -26,7 +26,7 @@ def _exchange(tmp_path: Path, request: dict) -> list[dict]:
     client, server = socket.socketpair()
     with client, server:
         client.sendall(json.dumps(request).encode() + b"\n")
-        ask_server._answer(server)
+        ask_server._answer(server, cli.app)
         server.shutdown(socket.SHUT_WR)
         data = b""
         while chunk := client.recv(65536):
@@ -36,7 +36,7 @@ def _exchange(tmp_path: Path, request: dict) -> list[dict]:
 
 def test_a_request_runs_ask_in_the_clients_folder_with_its_output_and_exit_code(tmp_path) -> None:
     messages = _exchange(tmp_path, {"argv": ["ask", "missing.pdf", "Who signed?"], "cwd": str(tmp_path),
-                                    "version": launcher.installed_version(), "tty_out": False, "tty_err": False})
+                                    "version": ask_server.installed_version(), "tty_out": False, "tty_err": False})
     assert messages[-1] == {"exit": 3}  # an error row, as a lone run gives
     said = "".join(m.get("e", "") for m in messages)
     assert "missing.pdf" in said and "\x1b[" not in said  # the client's stderr is no terminal: no colour codes
@@ -45,7 +45,7 @@ def test_a_request_runs_ask_in_the_clients_folder_with_its_output_and_exit_code(
 
 @pytest.mark.parametrize("change", [{"version": "0.0.0-other"}, {"argv": ["run", "pdf_qa", "-i", "x.pdf"]}])
 def test_another_version_or_another_command_is_refused_so_the_client_runs_it_alone(tmp_path, change) -> None:
-    request = {"argv": ["ask", "x.pdf", "q"], "cwd": str(tmp_path), "version": launcher.installed_version(),
+    request = {"argv": ["ask", "x.pdf", "q"], "cwd": str(tmp_path), "version": ask_server.installed_version(),
                "tty_out": False, "tty_err": False, **change}
     assert list(_exchange(tmp_path, request)[-1]) == ["refused"]
 
@@ -59,7 +59,7 @@ def test_a_client_without_a_live_server_answers_none_at_once(tmp_path, monkeypat
     dead.close()
     t0 = time.perf_counter()
     assert launcher.ask_through_server(["ask", "x.pdf", "q"]) is None
-    assert time.perf_counter() - t0 < launcher.CONNECT_TIMEOUT_S
+    assert time.perf_counter() - t0 < ask_server.CONNECT_TIMEOUT_S
     listening = ask_server._listen(tmp_path / "ask.sock")  # serve replaces the dead file
     with listening, pytest.raises(RuntimeError, match="already listens"):
         ask_server._listen(tmp_path / "ask.sock")
