@@ -9,7 +9,8 @@ a time: others wait in the socket's queue. The server's own environment applies 
 output that native libraries write to file descriptors directly stays on the server's terminal.
 
 The socket is ``$DOCFUSE_HOME/ask.sock``, mode 0600 (only its user can connect); the server takes no command other
-than ``ask``, and leaves (removing the socket) after ``idle_minutes`` without a question or on Ctrl-C.
+than ``ask``, and leaves (removing the socket) after ``idle_minutes`` without a question, on Ctrl-C or SIGTERM, or
+when ``docfuse serve --stop`` asks it to.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -75,6 +77,40 @@ class _Forward(io.TextIOBase):
         return len(text)
 
 
+class _Stop(Exception):
+    """A client asked the server to leave."""
+
+
+def stop() -> bool:
+    """Ask the running server to leave; False when none answers."""
+    path = socket_path()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        conn.connect(str(path))
+    except OSError:
+        conn.close()
+        return False
+    conn.settimeout(None)  # it finishes the question it is answering first
+    with conn, conn.makefile("rwb") as wire:
+        wire.write(json.dumps({"stop": True}).encode() + b"\n")
+        wire.flush()
+        return bool(wire.readline())
+
+
+def _on_signals() -> None:
+    """Ctrl-C and `kill` (SIGTERM) both end the server through its cleanup, which removes the socket file; SIGINT is
+    handled even where a shell started the server in the background with SIGINT ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _listen(path: Path) -> socket.socket:
     """Bind the socket, replacing a file left by a server that died; refuse if a live server answers there."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +142,10 @@ def _answer(conn: socket.socket, app: Callable[..., Any]) -> None:
         if not line:
             return
         request = json.loads(line)
+        if request.get("stop"):  # `docfuse serve --stop`
+            wire.write(json.dumps({"exit": 0}).encode() + b"\n")
+            wire.flush()
+            raise _Stop
         argv = list(request.get("argv") or [])
         if request.get("version") != installed_version() or argv[:1] != ["ask"]:
             wire.write(json.dumps({"refused": "another docfuse version or command"}).encode() + b"\n")
@@ -163,6 +203,7 @@ def serve(app: Callable[..., Any], idle_minutes: float = 30.0, warm: Any = None)
     until ``idle_minutes`` pass without one (0: never idle out); ``warm``: a pipeline to set up first."""
     path = socket_path()
     server = _listen(path)
+    _on_signals()
     started = time.perf_counter()
     try:
         if warm is not None:
@@ -182,6 +223,9 @@ def serve(app: Callable[..., Any], idle_minutes: float = 30.0, warm: Any = None)
                 conn.settimeout(None)
                 try:
                     _answer(conn, app)
+                except _Stop:
+                    print("docfuse server: asked to stop", file=sys.stderr)
+                    return
                 except (OSError, ValueError) as exc:  # a client that vanished or sent garbage: the next one is served
                     print(f"docfuse server: a request failed ({exc})", file=sys.stderr)
     except KeyboardInterrupt:

@@ -259,11 +259,19 @@ def serve(
                                                             "(0: never).")] = 30.0,
     pipeline: Annotated[str, typer.Option(help="Pipeline whose stages are set up at start (its answer stage loads "
                                                 "the model then).")] = "pdf_qa",
+    stop: Annotated[bool, typer.Option("--stop", help="Ask the running server to leave, and exit.")] = False,
 ) -> None:
     """Keep the model loaded and answer `docfuse ask` from any folder of this user, so that a question costs its
-    answer, not seconds of start-up. Ctrl-C stops it; DOCFUSE_SERVER=0 makes one `ask` run by itself."""
+    answer, not seconds of start-up. Ctrl-C or --stop ends it; DOCFUSE_SERVER=0 makes one `ask` run by itself."""
     from docfuse.pipelines.ask_server import serve as run_server
+    from docfuse.pipelines.ask_server import socket_path
+    from docfuse.pipelines.ask_server import stop as stop_server
 
+    if stop:
+        if not stop_server():
+            fail(f"no docfuse server answers on {socket_path()}")
+        err.print(f"the docfuse server on {socket_path()} has stopped", highlight=False)
+        return
     try:
         run_server(app, idle_minutes, load_pipeline(pipeline, None))
     except RuntimeError as exc:

@@ -85,13 +85,39 @@ def test_served_answers_equal_lone_answers_through_the_console_command(tmp_path)
         bad = subprocess.run([str(DOCFUSE), "ask", "nowhere.pdf", "q"], env=served, cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
     finally:
-        server.send_signal(2)  # Ctrl-C: the server removes its socket
+        stopped = subprocess.run([str(DOCFUSE), "serve", "--stop"], env=served, capture_output=True, text=True,
+                                 timeout=120)
         log = server.communicate(timeout=60)[1]
+    assert stopped.returncode == 0 and "stopped" in stopped.stderr and server.returncode == 0
     assert one.returncode == two.returncode == 0, one.stderr + two.stderr
     served_row, lone_row = json.loads(one.stdout.splitlines()[-1]), json.loads(two.stdout.splitlines()[-1])
     assert "4,250" in served_row["answer"]
     assert served_row["answer"] == lone_row["answer"] and served_row["prompt_tokens"] == lone_row["prompt_tokens"]
     assert (tmp_path / "c1").is_dir()  # the stage cache went where the client's folder put it
     assert bad.returncode == 3 and "nowhere.pdf" in bad.stderr
-    assert log.count("docfuse server: ask") == 2  # both questions went through the server
+    assert log.count("docfuse server: ask ") == 2  # both questions went through the server
     assert not sock.exists()
+
+
+def test_serve_stops_when_asked_or_killed_and_removes_its_socket(tmp_path, monkeypatch) -> None:
+    import signal
+    import threading
+
+    monkeypatch.setenv("DOCFUSE_SERVER_SOCKET", str(tmp_path / "a.sock"))
+    assert not ask_server.stop()  # nobody to stop
+    thread = threading.Thread(target=ask_server.serve, args=(cli.app, 1.0))
+    thread.start()
+    deadline = time.time() + 30
+    while not (tmp_path / "a.sock").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert ask_server.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and not (tmp_path / "a.sock").exists()
+
+    env = {**os.environ, "DOCFUSE_SERVER_SOCKET": str(tmp_path / "b.sock")}
+    code = "from docfuse.pipelines import ask_server, cli; ask_server.serve(cli.app, 1.0)"
+    server = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+    assert "listening" in server.stderr.readline()
+    server.send_signal(signal.SIGTERM)  # `kill`: cleaned up like Ctrl-C
+    server.wait(timeout=60)
+    assert server.returncode == 0 and not (tmp_path / "b.sock").exists()
