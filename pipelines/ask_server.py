@@ -99,8 +99,8 @@ def stop() -> bool:
 
 
 def _on_signals() -> None:
-    """Ctrl-C and `kill` (SIGTERM) both end the server through its cleanup, which removes the socket file; SIGINT is
-    handled even where a shell started the server in the background with SIGINT ignored."""
+    """Ctrl-C, `kill` (SIGTERM) and a closed terminal (SIGHUP) end the server through its cleanup, which removes the
+    socket file; SIGINT is handled even where a shell started the server in the background with SIGINT ignored."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -108,6 +108,7 @@ def _on_signals() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGHUP, leave)  # the terminal that started `docfuse serve &` closed
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
