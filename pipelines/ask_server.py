@@ -54,6 +54,27 @@ def installed_version() -> str:
         return "source"
 
 
+def connect(path: Path) -> socket.socket | None:
+    """A connection to the server listening on ``path``, or None when nobody accepts within ``CONNECT_TIMEOUT_S``
+    (no file, or a file left by a server that died). The connection has no timeout: a question takes as long as
+    its prefill and answer."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        conn.connect(str(path))
+    except OSError:
+        conn.close()
+        return None
+    conn.settimeout(None)
+    return conn
+
+
+def send(wire: Any, message: dict[str, Any]) -> None:
+    """One message of the protocol: a JSON object on its own line, flushed."""
+    wire.write(json.dumps(message).encode() + b"\n")
+    wire.flush()
+
+
 class _Forward(io.TextIOBase):
     """A text stream whose writes go to the client as ``{key: text}`` lines; ``isatty`` is the client's answer, so
     ``ask`` streams tokens and progress exactly when the client's own stream is a terminal."""
@@ -72,8 +93,7 @@ class _Forward(io.TextIOBase):
             text = text.decode("utf-8", "replace")
         if text:
             with self._lock:
-                self._wire.write(json.dumps({self._key: text}).encode() + b"\n")
-                self._wire.flush()
+                send(self._wire, {self._key: text})
         return len(text)
 
 
@@ -83,18 +103,11 @@ class _Stop(Exception):
 
 def stop() -> bool:
     """Ask the running server to leave; False when none answers."""
-    path = socket_path()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(CONNECT_TIMEOUT_S)
-    try:
-        conn.connect(str(path))
-    except OSError:
-        conn.close()
+    conn = connect(socket_path())
+    if conn is None:
         return False
-    conn.settimeout(None)  # it finishes the question it is answering first
-    with conn, conn.makefile("rwb") as wire:
-        wire.write(json.dumps({"stop": True}).encode() + b"\n")
-        wire.flush()
+    with conn, conn.makefile("rwb") as wire:  # it finishes the question it is answering first
+        send(wire, {"stop": True})
         return bool(wire.readline())
 
 
@@ -116,10 +129,8 @@ def _listen(path: Path) -> socket.socket:
     """Bind the socket, replacing a file left by a server that died; refuse if a live server answers there."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
+        probe = connect(path)
+        if probe is None:
             path.unlink()
         else:
             probe.close()
@@ -144,13 +155,11 @@ def _answer(conn: socket.socket, app: Callable[..., Any]) -> None:
             return
         request = json.loads(line)
         if request.get("stop"):  # `docfuse serve --stop`
-            wire.write(json.dumps({"exit": 0}).encode() + b"\n")
-            wire.flush()
+            send(wire, {"exit": 0})
             raise _Stop
         argv = list(request.get("argv") or [])
         if request.get("version") != installed_version() or argv[:1] != ["ask"]:
-            wire.write(json.dumps({"refused": "another docfuse version or command"}).encode() + b"\n")
-            wire.flush()
+            send(wire, {"refused": "another docfuse version or command"})
             return
         saved = sys.stdout, sys.stderr, os.getcwd()
         code: Any = 1
@@ -178,8 +187,7 @@ def _answer(conn: socket.socket, app: Callable[..., Any]) -> None:
         print(f"docfuse server: {' '.join(argv[:2])} ... exit {code} in {time.perf_counter() - started:.1f} s",
               file=sys.stderr, flush=True)
         try:
-            wire.write(json.dumps({"exit": code}).encode() + b"\n")
-            wire.flush()
+            send(wire, {"exit": code})
         except OSError:
             pass  # the client left (Ctrl-C): nothing to tell it
 

@@ -2,8 +2,9 @@
 the command in this process.
 
 Why a module of its own: a ``docfuse ask`` that finds a server must not import torch, transformers or pyarrow (about
-5 s on two cores, most of a repeated question's wall time); this module and ask_server's top level import only the standard library. The
-server (pipelines/ask_server.py) runs the same ``ask`` command, so answers, exit codes and output are the same.
+5 s on two cores, most of a repeated question's wall time); this module and ask_server's top level import only the
+standard library. The server (pipelines/ask_server.py) runs the same ``ask`` command, so answers, exit codes and
+output are the same.
 ``DOCFUSE_SERVER=0`` always runs here.
 """
 
@@ -11,31 +12,23 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
-from docfuse.pipelines.ask_server import CONNECT_TIMEOUT_S, installed_version, socket_path
+from docfuse.pipelines.ask_server import connect, installed_version, send, socket_path
 
 
 def ask_through_server(argv: list[str]) -> int | None:
     """Send ``docfuse ask ...`` (``argv`` without the program name) to the server and relay its output; the exit
     code, or None when no usable server answered (the caller then runs the command itself)."""
-    path = socket_path()
-    if os.environ.get("DOCFUSE_SERVER") == "0" or not path.exists():
+    if os.environ.get("DOCFUSE_SERVER") == "0" or not socket_path().exists():
         return None
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(CONNECT_TIMEOUT_S)
-    try:
-        conn.connect(str(path))
-    except OSError:  # a socket left by a server that died: ask runs here, `docfuse serve` replaces the file
-        conn.close()
+    conn = connect(socket_path())  # None: a socket left by a server that died; `docfuse serve` replaces the file
+    if conn is None:
         return None
-    conn.settimeout(None)  # a question takes as long as its prefill and answer
     request = {"argv": argv, "cwd": os.getcwd(), "version": installed_version(),
                "tty_out": sys.stdout.isatty(), "tty_err": sys.stderr.isatty()}
     with conn, conn.makefile("rwb") as wire:
-        wire.write(json.dumps(request).encode() + b"\n")
-        wire.flush()
+        send(wire, request)
         for line in wire:
             message = json.loads(line)
             if "o" in message:
